@@ -1,0 +1,148 @@
+"""The interface every framework adapter implements.
+
+The core owns the step loop and measures every phase the same way for every framework; an adapter
+only builds its framework's models and engines and performs one step of work per call. PPO is split
+into its three phases (rollout generation, experience inference, training) so each can be measured.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from bench.data import PreferenceBatch, PromptBatch, SFTBatch
+from bench.models import ParamCounts
+from bench.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+
+@dataclass
+class TrainOutput:
+    """One optimisation step of every model trained in that phase, keyed by role."""
+
+    losses: dict[str, float]
+    tokens: int  # real (non-pad) tokens this rank trained on
+    samples: int
+    grad_norms: dict[str, float | None] = field(default_factory=dict)
+    skipped: dict[str, bool] = field(default_factory=dict)  # optimizer step skipped on overflow
+    loss_scales: dict[str, float | None] = field(default_factory=dict)  # fp16 dynamic loss scale
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Rollout:
+    sequences: torch.Tensor  # [B, prompt_len + generated]
+    attention_mask: torch.Tensor
+    prompt_len: int
+    prompt_tokens: int  # real prompt tokens
+    generated_tokens: int  # real generated tokens (up to and including EOS)
+
+    @property
+    def samples(self) -> int:
+        return int(self.sequences.shape[0])
+
+    @property
+    def real_tokens(self) -> int:
+        return int(self.attention_mask.sum())
+
+    @property
+    def tokens(self) -> int:
+        """Tokens that went through the model while generating: each prompt token once (prefill),
+        each generated token once (KV cache)."""
+        return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def answers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.sequences[:, self.prompt_len :], self.attention_mask[:, self.prompt_len :]
+
+
+@dataclass
+class Experience:
+    """What the experience-inference phase produced; `payload` is framework-specific."""
+
+    payload: Any
+    reward: float  # mean reward-model score on this rank
+    kl: float  # mean per-token KL estimate to the reference
+    value: float  # mean critic value
+    tokens: int  # real tokens run through each inference model
+    samples: int
+
+
+@dataclass
+class ModelState:
+    """Bytes this rank holds for one model, read from the engine's own tensors (not estimated)."""
+
+    param_bytes: int
+    optimizer_state_bytes: int
+    trainable_param_bytes: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "param_bytes": self.param_bytes,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "trainable_param_bytes": self.trainable_param_bytes,
+        }
+
+
+class Adapter(ABC):
+    """One framework's RLHF pipeline structure on its real engine library."""
+
+    #: Which roles' parameters each phase multiplies through (for the shared FLOPs formula).
+    phase_roles: dict[str, dict[str, tuple[str, ...]]] = {}
+
+    def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
+        self.spec = spec
+        self.ctx = ctx
+
+    @abstractmethod
+    def setup(self, stage: str, init: dict[str, str]) -> None:
+        """Build the stage's models and engines; `init` maps "sft"/"rm" to checkpoint files."""
+
+    @abstractmethod
+    def sft_step(self, batch: SFTBatch) -> TrainOutput: ...
+
+    @abstractmethod
+    def rm_step(self, batch: PreferenceBatch) -> TrainOutput: ...
+
+    @abstractmethod
+    def rm_accuracy(self, batch: PreferenceBatch) -> float:
+        """Share of pairs the reward model ranks correctly (no gradient)."""
+
+    @abstractmethod
+    def generate(self, batch: PromptBatch) -> Rollout: ...
+
+    @abstractmethod
+    def make_experience(self, rollout: Rollout) -> Experience: ...
+
+    @abstractmethod
+    def ppo_train(self, experience: Experience) -> TrainOutput: ...
+
+    @abstractmethod
+    def save(self, stage: str, directory: str) -> str:
+        """Write the stage's trained model as a checkpoint the next stage loads; returns the file."""
+
+    @abstractmethod
+    def params(self) -> dict[str, ParamCounts]:
+        """Parameter counts per role of the current stage."""
+
+    @abstractmethod
+    def model_state(self) -> dict[str, ModelState]:
+        """Per-role bytes of parameters and optimizer state held by this rank."""
+
+    def notes(self) -> list[str]:
+        """Facts a reader of the record must know (fallbacks taken, features unavailable here)."""
+        return []
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release engines and process groups."""

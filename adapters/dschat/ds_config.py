@@ -1,0 +1,78 @@
+"""DeepSpeed configs the way DS-Chat's dschat/utils/ds_utils.py builds them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from adapters.dschat.options import DSChatOptions
+from bench.spec import RunSpec
+
+
+def _precision(spec: RunSpec, options: DSChatOptions) -> dict[str, Any]:
+    if spec.precision == "fp16":
+        # DS-Chat's fp16 block: dynamic loss scaling with DeepSpeed's defaults (initial 2**16,
+        # hysteresis 2, min 1) except the window.
+        return {"fp16": {"enabled": True, "loss_scale_window": options.fp16_loss_scale_window}}
+    if spec.precision == "bf16":
+        return {"bf16": {"enabled": True}}
+    return {}
+
+
+def _batch(spec: RunSpec, world_size: int) -> dict[str, Any]:
+    return {"train_micro_batch_size_per_gpu": spec.batch, "train_batch_size": spec.batch * world_size}
+
+
+def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap_comm: bool,
+                 hybrid_engine: bool = False) -> dict[str, Any]:
+    """get_train_ds_config: the actor / critic / SFT / RM engines."""
+    zero: dict[str, Any] = {
+        "stage": spec.zero,
+        "overlap_comm": overlap_comm,
+        "stage3_param_persistence_threshold": 1e4,
+        "stage3_max_live_parameters": 3e7,
+        "stage3_prefetch_bucket_size": 3e7,
+        "memory_efficient_linear": False,
+    }
+    if spec.offload:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if spec.zero == 3:  # DeepSpeed honours parameter offload only at stage 3
+            zero["offload_param"] = {"device": "cpu"}
+    config: dict[str, Any] = {
+        **_batch(spec, world_size),
+        "steps_per_print": 10**9,
+        "zero_optimization": zero,
+        "gradient_clipping": options.gradient_clipping,
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        **_precision(spec, options),
+    }
+    if spec.offload and options.optimizer == "torch_adamw":
+        # DeepSpeed refuses a client torch optimizer with ZeRO-Offload unless told this is deliberate.
+        config["zero_force_ds_cpu_optimizer"] = False
+    if hybrid_engine:
+        config["hybrid_engine"] = {
+            "enabled": True,
+            "max_out_tokens": spec.prompt_len + spec.answer_len,
+            "inference_tp_size": 1,
+            "release_inference_cache": False,
+            "pin_parameters": True,
+            "tp_gather_partition_size": 8,
+        }
+    return config
+
+
+def eval_config(spec: RunSpec, options: DSChatOptions, world_size: int) -> dict[str, Any]:
+    """get_eval_ds_config: reference and reward follow ZeRO-3 only when actor/critic use it."""
+    stage = 3 if spec.zero == 3 else 0
+    return {
+        **_batch(spec, world_size),
+        "steps_per_print": 10**9,
+        "zero_optimization": {
+            "stage": stage,
+            "stage3_param_persistence_threshold": 1e4,
+            "memory_efficient_linear": False,
+        },
+        "prescale_gradients": False,
+        "wall_clock_breakdown": False,
+        **_precision(spec, options),
+    }

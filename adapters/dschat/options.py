@@ -1,0 +1,66 @@
+"""DS-Chat's knobs, validated before launch (imports no framework)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.spec import RunSpec, SpecError, UnsupportedError
+
+OPTIMIZERS = ("fused_adam", "torch_adamw")
+
+
+@dataclass(frozen=True)
+class PPOOptions:
+    kl_ctl: float = 0.1
+    clip_reward_value: float = 5.0
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    gamma: float = 1.0
+    lam: float = 0.95
+    ppo_epochs: int = 1
+    do_sample: bool = True
+    top_k: int = 0
+    temperature: float = 1.0
+
+
+@dataclass(frozen=True)
+class DSChatOptions:
+    optimizer: str = "fused_adam"
+    hybrid_engine: bool = False
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    gradient_clipping: float = 1.0
+    fp16_loss_scale_window: int = 100
+    lora_module_name: str = "h."
+    lora_lr: float = 5e-4
+    only_optimize_lora: bool = True
+    ppo: PPOOptions = field(default_factory=PPOOptions)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DSChatOptions:
+        data = dict(data)
+        try:
+            ppo = PPOOptions(**dict(data.pop("ppo", {})))
+            options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))), "ppo": ppo})
+        except TypeError as err:
+            raise SpecError(f"framework (dschat): {err}") from None
+        if options.optimizer not in OPTIMIZERS:
+            raise SpecError(
+                f"framework.optimizer={options.optimizer!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}"
+            )
+        if options.ppo.ppo_epochs < 1:
+            raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
+        return options
+
+    @classmethod
+    def validate(cls, spec: RunSpec) -> DSChatOptions:
+        options = cls.from_dict(spec.framework_options)
+        if (options.hybrid_engine and spec.offload and spec.zero == 2 and spec.lora == 0
+                and "ppo" in spec.stages):
+            # DS-Chat's step-3 main.py refuses this exact combination with a ValueError.
+            raise UnsupportedError(
+                "dschat refuses hybrid_engine + offload + zero=2 without LoRA "
+                "('unsupported due to training instability'); use lora > 0, zero=3 or no offload"
+            )
+        return options

@@ -1,0 +1,42 @@
+"""Lazy registry of framework adapters: names map to import paths, nothing heavy is imported here.
+
+Frameworks pin conflicting dependencies, so the core only ever imports the selected adapter, and only
+inside a worker process.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class AdapterEntry:
+    options: str  # "module:Class" of the option validator (imports no framework)
+    adapter: str  # "module:Class" of the adapter (imports the framework lazily)
+
+
+_ENTRIES: dict[str, AdapterEntry] = {
+    "dschat": AdapterEntry(
+        options="adapters.dschat.options:DSChatOptions",
+        adapter="adapters.dschat.adapter:DSChatAdapter",
+    ),
+}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(_ENTRIES)
+
+
+def _load(path: str) -> Any:
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def options_class(name: str) -> Any:
+    return _load(_ENTRIES[name].options)
+
+
+def adapter_class(name: str) -> Any:
+    return _load(_ENTRIES[name].adapter)

@@ -1,0 +1,47 @@
+"""PPO arithmetic shared by the adapters (torch only): log-probs, masked means, GAE, clipped losses."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label token; computed in fp32 (logits are upcast) for stability."""
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1)
+
+
+def gae(values: torch.Tensor, rewards: torch.Tensor, start: int, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation over positions >= start; returns (advantages, returns)."""
+    last = torch.zeros_like(values[:, 0])
+    reversed_adv = []
+    length = rewards.shape[-1]
+    for t in reversed(range(start, length)):
+        next_values = values[:, t + 1] if t < length - 1 else torch.zeros_like(last)
+        delta = rewards[:, t] + gamma * next_values - values[:, t]
+        last = delta + gamma * lam * last
+        reversed_adv.append(last)
+    advantages = torch.stack(reversed_adv[::-1], dim=1)
+    return advantages.detach(), (advantages + values[:, start:]).detach()
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, cliprange: float) -> torch.Tensor:
+    ratio = torch.exp((log_probs - old_log_probs) * mask)
+    loss1 = -advantages * ratio
+    loss2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    return masked_mean(torch.max(loss1, loss2), mask)
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               cliprange_value: float) -> torch.Tensor:
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    loss = torch.max((values - returns) ** 2, (clipped - returns) ** 2)
+    return 0.5 * masked_mean(loss, mask)

@@ -1,0 +1,90 @@
+"""Model registry: GLM-shaped causal LMs built from config with random weights, or a local checkpoint.
+
+GLM-10B is pre-LN with a fused QKV projection, a 4h GELU MLP, learned position embeddings and tied
+input/output embeddings. A GPT-2-architecture config with GLM's proportions has exactly these traits,
+so it stands in honestly (GLM's second, block-position table and its `mems` decoding are not modelled).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PretrainedConfig
+
+from bench.spec import ModelSpec
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    total: int  # unique parameters (tied weights once)
+    trainable: int
+    compute: int  # parameters a token's forward pass multiplies through: total minus position tables
+
+    def as_dict(self) -> dict[str, int]:
+        return {"total": self.total, "trainable": self.trainable, "compute": self.compute}
+
+
+def gpt2_config(model: ModelSpec) -> GPT2Config:
+    return GPT2Config(
+        vocab_size=model.vocab,
+        n_positions=model.positions,
+        n_embd=model.hidden,
+        n_layer=model.layers,
+        n_head=model.heads,
+        n_inner=4 * model.hidden,
+        activation_function="gelu_new",
+        resid_pdrop=model.dropout,
+        embd_pdrop=model.dropout,
+        attn_pdrop=model.dropout,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
+
+
+def model_config(model: ModelSpec) -> PretrainedConfig:
+    if model.path:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model.path, local_files_only=True)
+    return gpt2_config(model)
+
+
+def build_causal_lm(model: ModelSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A causal LM with random weights (or the local checkpoint at model.path). No downloads."""
+    if model.path:
+        loaded = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=dtype)
+        if loaded.config.vocab_size < model.vocab:
+            raise ValueError(
+                f"model.path={model.path} has vocab_size {loaded.config.vocab_size} < model.vocab={model.vocab}, "
+                "the synthetic data's token range; set model.vocab to at most the checkpoint's vocabulary"
+            )
+        return loaded
+    return GPT2LMHeadModel(gpt2_config(model)).to(dtype)
+
+
+def count_params(module: torch.nn.Module) -> ParamCounts:
+    seen: dict[int, torch.nn.Parameter] = {}
+    positional = 0
+    for name, param in module.named_parameters(remove_duplicate=True):
+        numel = _full_numel(param)
+        seen[id(param)] = param
+        if name.endswith("wpe.weight") or "position_embeddings" in name:
+            positional += numel
+    total = sum(_full_numel(p) for p in seen.values())
+    trainable = sum(_full_numel(p) for p in seen.values() if p.requires_grad)
+    return ParamCounts(total=total, trainable=trainable, compute=total - positional)
+
+
+def _full_numel(param: torch.nn.Parameter) -> int:
+    """ZeRO-3 partitions parameters in place; `ds_numel` keeps the full size."""
+    return int(getattr(param, "ds_numel", param.numel()))
+
+
+def meta_param_count(model: ModelSpec) -> ParamCounts:
+    """Parameter counts of a model without allocating it (works for GLM-10B on a laptop)."""
+    with torch.device("meta"):
+        module = GPT2LMHeadModel(gpt2_config(model))
+    return count_params(module)

@@ -1,0 +1,272 @@
+"""The result record: one JSON file per run, written atomically, with a schema version.
+
+Every figure carries its unit in its key (`*_bytes`, `*_s`, `*_per_s`). Per-rank files written by the
+workers are merged here: peaks aggregate as the max over ranks (never a sum), throughput per rank and
+globally, stability as the worst rank.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from bench.flops import FORMULA
+
+SCHEMA_VERSION = 1
+STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")
+_CLASS_ORDER = ("stable", "recovered", "skip-storm", "diverged")
+PHASE_ORDER = ("init", "generation", "experience", "training", "evaluation")
+
+
+def _jsonable(value: Any) -> Any:
+    """Non-finite floats become the strings "nan" / "inf" / "-inf": strict JSON has no NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def write_json(path: str, data: Any) -> None:
+    """Write atomically: a reader sees the old file or the complete new one, never a torn one."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(_jsonable(data), f, indent=2, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+@dataclass
+class StageRecord:
+    status: str
+    error: dict[str, Any] | None = None
+    ranks: int = 0
+    wall_time_s: float | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+    model_state: dict[str, Any] = field(default_factory=dict)
+    memory: dict[str, Any] = field(default_factory=dict)
+    throughput: dict[str, Any] = field(default_factory=dict)
+    stability: dict[str, Any] = field(default_factory=dict)
+    learning: dict[str, Any] = field(default_factory=dict)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    checkpoint: str | None = None
+
+
+@dataclass
+class ResultRecord:
+    run_id: str
+    config: dict[str, Any]
+    status: str = "ok"
+    error: dict[str, Any] | None = None
+    schema_version: int = SCHEMA_VERSION
+    created_utc: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    environment: dict[str, Any] = field(default_factory=dict)
+    prerequisites: dict[str, Any] = field(default_factory=dict)
+    stages: dict[str, StageRecord] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, path: str) -> None:
+        write_json(path, self.to_dict())
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _mean(values: list[Any]) -> Any:
+    numbers = [v for v in (_num(x) for x in values) if v is not None]
+    if not numbers:
+        return values[0] if values else None
+    return statistics.fmean(numbers) if all(math.isfinite(n) for n in numbers) else float("nan")
+
+
+def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
+    names = [p for p in PHASE_ORDER if any(s["phase"] == p for r in ranks for s in r.get("phase_samples", []))]
+    for phase in names:
+        per_rank: dict[str, list[int | None]] = {}
+        for key in ("peak_bytes", "host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes",
+                    "nvml_process_bytes", "end_bytes"):
+            per_rank[key] = []
+            for r in ranks:
+                values = [s[key] for s in r.get("phase_samples", []) if s["phase"] == phase and s.get(key) is not None]
+                per_rank[key].append(max(values) if values else None)
+        peaks = [p for p in per_rank["peak_bytes"] if p is not None]
+        growth = [p - r["baseline_bytes"] for p, r in zip(per_rank["peak_bytes"], ranks, strict=True) if p is not None]
+        entry = {
+            "peak_bytes": max(peaks) if peaks else None,
+            "peak_bytes_per_rank": per_rank["peak_bytes"],
+            "growth_over_baseline_bytes": max(growth) if growth else None,
+            "end_bytes_per_rank": per_rank["end_bytes"],
+        }
+        for key in ("host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "nvml_process_bytes"):
+            values = [v for v in per_rank[key] if v is not None]
+            if values and (key != "host_peak_bytes" or ranks[0].get("device", "cpu").startswith("cuda")):
+                entry[key] = max(values)
+                entry[f"{key}_per_rank"] = per_rank[key]
+        phases[phase] = entry
+    timeline: dict[tuple[str, int], int] = {}
+    for r in ranks:
+        for s in r.get("phase_samples", []):
+            if s.get("step") is not None and s["step"] >= 0:
+                key = (s["phase"], s["step"])
+                timeline[key] = max(timeline.get(key, 0), s["peak_bytes"])
+    return {
+        "method": ranks[0].get("memory_method"),
+        "unit": "bytes",
+        "aggregate": "max over ranks of the max over steps (per-rank values alongside)",
+        "baseline_bytes_per_rank": [r.get("baseline_bytes") for r in ranks],
+        "baseline_definition": "process memory at worker start, after imports, before any model is built",
+        "phases": phases,
+        "timeline": [{"phase": p, "step": s, "peak_bytes": b} for (p, s), b in sorted(timeline.items(),
+                                                                                    key=lambda kv: kv[0][1])],
+    }
+
+
+def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
+    phases: dict[str, Any] = {}
+    names = [p for p in PHASE_ORDER if any(s["phase"] == p for r in ranks for s in r.get("phase_samples", []))]
+    for phase in names:
+        if phase == "init":
+            times = [sum(s["time_s"] for s in r["phase_samples"] if s["phase"] == "init") for r in ranks]
+            phases[phase] = {"time_s": max(times), "time_s_per_rank": times}
+            continue
+        per_rank = []
+        for r in ranks:
+            measured = [s for s in r.get("phase_samples", [])
+                        if s["phase"] == phase and s.get("step") is not None and s["step"] >= warmup]
+            if not measured:
+                continue
+            time_s = sum(s["time_s"] for s in measured)
+            tokens = sum(s.get("tokens") or 0 for s in measured)
+            samples = sum(s.get("samples") or 0 for s in measured)
+            flops = sum(s.get("flops") or 0.0 for s in measured)
+            per_rank.append({"steps": len(measured), "time_s": time_s, "tokens": tokens, "samples": samples,
+                             "flops": flops})
+        if not per_rank:
+            continue
+        slowest = max(p["time_s"] for p in per_rank)
+        steps = per_rank[0]["steps"]
+        phases[phase] = {
+            "measured_steps": steps,
+            "time_s_per_step": slowest / steps,
+            "time_s_per_step_per_rank": [p["time_s"] / p["steps"] for p in per_rank],
+            "tokens_per_s_per_rank": [p["tokens"] / p["time_s"] for p in per_rank],
+            "tokens_per_s_global": sum(p["tokens"] for p in per_rank) / slowest,
+            "samples_per_s_per_rank": [p["samples"] / p["time_s"] for p in per_rank],
+            "samples_per_s_global": sum(p["samples"] for p in per_rank) / slowest,
+            "tflops_per_s_per_rank": [p["flops"] / p["time_s"] / 1e12 for p in per_rank],
+        }
+    step_phases = [p for p in phases if p not in ("init", "evaluation")]
+    total = sum(phases[p]["time_s_per_step"] for p in step_phases)
+    return {
+        "time_method": ranks[0].get("time_method"),
+        "warmup_steps_excluded": warmup,
+        "token_count": "real (non-pad) tokens; generation: prompt + generated tokens",
+        "global_definition": "sum of tokens over ranks / the slowest rank's time",
+        "flops_formula": FORMULA,
+        "phases": phases,
+        "share_of_step_time": {p: phases[p]["time_s_per_step"] / total for p in step_phases} if total else {},
+    }
+
+
+def _stability(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    summaries = [r["stability"] for r in ranks if r.get("stability")]
+    if not summaries:
+        return {}
+    worst = max(summaries, key=lambda s: _CLASS_ORDER.index(s["classification"]))
+    firsts = [s["first_nonfinite_step"] for s in summaries if s["first_nonfinite_step"] is not None]
+    merged = dict(worst)
+    merged["first_nonfinite_step"] = min(firsts) if firsts else None
+    merged["checks"] = ("non-finite loss, gradient norm (of non-skipped steps), reward, KL and value per step, "
+                        "every precision; overflow skips and loss scale from the engine (fp16 only)")
+    merged["aggregate"] = "worst rank"
+    return merged
+
+
+def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for r in ranks:
+        for s in r.get("steps", []):
+            by_step.setdefault(s["step"], []).append(s)
+    merged = []
+    for step in sorted(by_step):
+        rows = by_step[step]
+        keys = {k for row in rows for k in row}
+        merged.append({k: (step if k == "step" else _mean([row.get(k) for row in rows if k in row]))
+                       for k in sorted(keys)})
+    return merged
+
+
+def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    learning: dict[str, Any] = {}
+    for key in ("accuracy_start", "accuracy_end"):
+        values = [r["learning"][key] for r in ranks if key in r.get("learning", {})]
+        if values:
+            learning[key] = _mean(values)
+    if stage in ("sft", "rm"):
+        role = "actor" if stage == "sft" else "reward"
+        learning["loss_curve"] = [s.get(f"loss/{role}") for s in steps]
+    if stage == "ppo" and steps:
+        window = max(1, min(10, len(steps) // 3))
+        rewards = [s.get("reward") for s in steps]
+        learning.update(
+            reward_curve=rewards,
+            reward_window_steps=window,
+            reward_start=_mean(rewards[:window]),
+            reward_end=_mean(rewards[-window:]),
+            preferred_fraction_start=_mean([s.get("preferred_fraction") for s in steps[:window]]),
+            preferred_fraction_end=_mean([s.get("preferred_fraction") for s in steps[-window:]]),
+        )
+    learning["aggregate"] = "mean over ranks per step"
+    return learning
+
+
+def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time_s: float,
+                 failure: dict[str, Any] | None = None) -> StageRecord:
+    """Merge the per-rank results of one stage. `failure` is the launcher's view when ranks are missing
+    or the process tree died or timed out."""
+    bad = [r for r in ranks if r.get("status") != "ok"]
+    status = (failure or {}).get("status") or (bad[0]["status"] if bad else "ok")
+    error = (failure or {}).get("error") or (dict(bad[0]["error"], rank=bad[0]["rank"]) if bad else None)
+    record = StageRecord(status=status, error=error, ranks=len(ranks), wall_time_s=wall_time_s)
+    if not ranks:
+        return record
+    ranks = sorted(ranks, key=lambda r: r["rank"])
+    record.params = ranks[0].get("params", {})
+    record.model_state = {
+        role: {f"{k}_per_rank": [r.get("model_state", {}).get(role, {}).get(k) for r in ranks] for k in keys}
+        for role, keys in ((role, list(state)) for role, state in ranks[0].get("model_state", {}).items())
+    }
+    if record.model_state:
+        record.model_state["method"] = ("bytes of the tensors each rank's engine holds: parameters (ZeRO-3 "
+                                        "partitions plus any gathered copy), optimizer states plus fp32 master "
+                                        "copies; read after the last step")
+    if any(r.get("phase_samples") for r in ranks):
+        record.memory = _memory(ranks)
+        record.throughput = _throughput(ranks, warmup)
+    record.stability = _stability(ranks)
+    record.steps = _steps(ranks)
+    record.learning = _learning(stage, record.steps, ranks)
+    record.notes = ranks[0].get("notes", [])
+    record.checkpoint = ranks[0].get("checkpoint")
+    return record

@@ -1,0 +1,229 @@
+"""The typed run spec: validated dataclasses built from the Hydra config.
+
+Every check here runs before anything is launched, so a bad override costs nothing and the
+message names the bad value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+ZERO_STAGES = (0, 1, 2, 3)
+STAGES = ("sft", "rm", "ppo")
+STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "pipeline": ("sft", "rm", "ppo")}
+DEVICES = ("auto", "cpu", "cuda")
+# Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
+MIN_VOCAB = 64
+
+
+class SpecError(ValueError):
+    """A configuration value is invalid; nothing was launched."""
+
+
+class UnsupportedError(SpecError):
+    """Every value is valid but the framework cannot run this combination."""
+
+
+def _choice(name: str, value: Any, allowed: tuple) -> Any:
+    if value not in allowed:
+        shown = ", ".join(str(a) for a in allowed)
+        raise SpecError(f"{name}={value!r} is not allowed; choose one of: {shown}")
+    return value
+
+
+def _int(name: str, value: Any, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{name}={value!r} must be an integer")
+    if value < low or (high is not None and value > high):
+        bound = f">= {low}" if high is None else f"between {low} and {high}"
+        raise SpecError(f"{name}={value} is not allowed; it must be {bound}")
+    return value
+
+
+def _positive_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise SpecError(f"{name}={value!r} must be a positive number")
+    return float(value)
+
+
+def _bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise SpecError(f"{name}={value!r} must be true or false")
+    return value
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    path: str | None
+    hidden: int
+    layers: int
+    heads: int
+    vocab: int
+    positions: int
+    dropout: float
+    lr: dict[str, float]
+
+    def __post_init__(self) -> None:
+        for key in ("hidden", "layers", "heads", "positions"):
+            _int(f"model.{key}", getattr(self, key), 1)
+        _int("model.vocab", self.vocab, MIN_VOCAB)
+        if self.hidden % self.heads:
+            raise SpecError(f"model.heads={self.heads} must divide model.hidden={self.hidden}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise SpecError(f"model.dropout={self.dropout} must be in [0, 1)")
+        missing = {"sft", "rm", "actor", "critic"} - set(self.lr)
+        if missing:
+            raise SpecError(f"model.lr lacks {sorted(missing)}; it needs sft, rm, actor and critic")
+        for role, value in self.lr.items():
+            _positive_float(f"model.lr.{role}", value)
+
+
+@dataclass(frozen=True)
+class LauncherSpec:
+    nproc: int = 1
+    threads_per_rank: int = 1
+    timeout_s: float = 1800.0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _int("launcher.nproc", self.nproc, 1)
+        _int("launcher.threads_per_rank", self.threads_per_rank, 1)
+        _positive_float("launcher.timeout_s", self.timeout_s)
+        _choice("launcher.device", self.device, DEVICES)
+
+
+@dataclass(frozen=True)
+class StabilitySpec:
+    stop_after_nonfinite: int = 5
+    skip_storm_len: int = 5
+
+    def __post_init__(self) -> None:
+        _int("stability.stop_after_nonfinite", self.stop_after_nonfinite, 1)
+        _int("stability.skip_storm_len", self.skip_storm_len, 2)
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    sft: str | None = None
+    rm: str | None = None
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    framework: str
+    framework_options: dict[str, Any]
+    stage: str
+    model: ModelSpec
+    precision: str = "fp32"
+    zero: int = 0
+    lora: int = 0
+    batch: int = 4
+    prompt_len: int = 16
+    answer_len: int = 16
+    steps: dict[str, int] = field(default_factory=lambda: {"sft": 20, "rm": 30, "ppo": 10})
+    warmup_steps: int = 2
+    lr: float | None = None
+    seed: int = 1234
+    grad_ckpt: bool = False
+    offload: bool = False
+    init: InitSpec = field(default_factory=InitSpec)
+    launcher: LauncherSpec = field(default_factory=LauncherSpec)
+    stability: StabilitySpec = field(default_factory=StabilitySpec)
+
+    def __post_init__(self) -> None:
+        _choice("stage", self.stage, tuple(STAGE_CHOICES))
+        _choice("precision", self.precision, PRECISIONS)
+        _choice("zero", self.zero, ZERO_STAGES)
+        _int("lora", self.lora, 0)
+        _int("batch", self.batch, 1)
+        _int("prompt_len", self.prompt_len, 2)
+        _int("answer_len", self.answer_len, 2)
+        _int("warmup_steps", self.warmup_steps, 0)
+        _int("seed", self.seed, 0)
+        _bool("grad_ckpt", self.grad_ckpt)
+        _bool("offload", self.offload)
+        if self.lr is not None:
+            _positive_float("lr", self.lr)
+        for stage in self.stages:
+            steps = _int(f"steps ({stage})", self.steps.get(stage), 1)
+            if steps <= self.warmup_steps:
+                raise SpecError(
+                    f"steps={steps} for {stage} leaves no measured step after warmup_steps={self.warmup_steps}"
+                )
+        if self.prompt_len + self.answer_len > self.model.positions:
+            raise SpecError(
+                f"prompt_len + answer_len = {self.prompt_len + self.answer_len} exceeds "
+                f"model.positions={self.model.positions}"
+            )
+        if self.lora and self.lora >= self.model.hidden:
+            raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
+        if self.offload and self.zero == 0:
+            raise UnsupportedError("offload=true needs zero >= 1: ZeRO-Offload moves ZeRO-partitioned state")
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        return STAGE_CHOICES[self.stage]
+
+    def stage_lr(self, role: str) -> float:
+        """Learning rate of a trained role (sft, rm, actor, critic); `lr` overrides the main one."""
+        main_role = {"sft": "sft", "rm": "rm", "actor": "actor"}
+        if self.lr is not None and role in main_role:
+            return self.lr
+        return float(self.model.lr[role])
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RunSpec:
+        data = dict(data)
+        data["model"] = ModelSpec(**data["model"])
+        data["init"] = InitSpec(**data.get("init") or {})
+        data["launcher"] = LauncherSpec(**data.get("launcher") or {})
+        data["stability"] = StabilitySpec(**data.get("stability") or {})
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> RunSpec:
+        return dataclasses.replace(self, **changes)
+
+
+def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
+    """Build and validate a RunSpec from a resolved config mapping (the Hydra config as a dict)."""
+    from adapters import registry
+
+    framework = dict(cfg["framework"])
+    name = _choice("framework", framework.pop("name"), registry.names())
+    stage = _choice("stage", cfg["stage"]["name"], tuple(STAGE_CHOICES))
+    steps = dict(cfg["stage_steps"])
+    if cfg.get("steps") is not None:
+        steps = {s: cfg["steps"] for s in steps}
+    model = dict(cfg["model"])
+    model["lr"] = dict(model["lr"])
+    spec = RunSpec(
+        framework=name,
+        framework_options=framework,
+        stage=stage,
+        model=ModelSpec(**model),
+        precision=cfg["precision"],
+        zero=cfg["zero"],
+        lora=cfg["lora"],
+        batch=cfg["batch"],
+        prompt_len=cfg["prompt_len"],
+        answer_len=cfg["answer_len"],
+        steps=steps,
+        warmup_steps=cfg["warmup_steps"],
+        lr=cfg.get("lr"),
+        seed=cfg["seed"],
+        grad_ckpt=cfg["grad_ckpt"],
+        offload=cfg["offload"],
+        init=InitSpec(**dict(cfg.get("init") or {})),
+        launcher=LauncherSpec(**dict(cfg["launcher"])),
+        stability=StabilitySpec(**dict(cfg["stability"])),
+    )
+    registry.options_class(name).validate(spec)
+    return spec

@@ -1,0 +1,1 @@
+"""Trackers: memory and time per phase, numerical stability per step."""

@@ -1,0 +1,124 @@
+"""One rank of one stage: `python -m bench.worker SPEC_JSON STAGE_DIR STAGE [--init-sft F] [--init-rm F]`.
+
+Started by the launcher under torchrun. It never raises: every outcome, including an exception, ends in
+this rank's `rank<N>.json` in STAGE_DIR, which the launcher merges into the run's record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import faulthandler
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from adapters import registry
+from adapters.base import RankContext
+from bench.data import SyntheticData
+from bench.environment import environment
+from bench.loop import StageLoop
+from bench.progress import StepProgress
+from bench.record import write_json
+from bench.spec import RunSpec, UnsupportedError
+from bench.trackers.phases import PhaseTracker
+
+OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+def resolve_device(requested: str, local_rank: int) -> torch.device:
+    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise UnsupportedError("launcher.device=cuda but torch.cuda.is_available() is False on this machine")
+        if local_rank >= torch.cuda.device_count():
+            raise UnsupportedError(
+                f"local rank {local_rank} needs a GPU but only {torch.cuda.device_count()} are visible"
+            )
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def classify(err: BaseException) -> str:
+    if isinstance(err, UnsupportedError):
+        return "unsupported"
+    if isinstance(err, MemoryError) or type(err).__name__ == "OutOfMemoryError":
+        return "oom"
+    if any(marker in str(err).lower() for marker in OOM_MARKERS):
+        return "oom"
+    return "error"
+
+
+def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) -> dict[str, Any]:
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.set_num_threads(spec.launcher.threads_per_rank)
+    result: dict[str, Any] = {"rank": rank, "world_size": world, "stage": stage, "status": "ok", "error": None}
+    tracker = None
+    adapter = None
+    try:
+        device = resolve_device(spec.launcher.device, local_rank)
+        tracker = PhaseTracker(device)
+        result.update(
+            device=str(device),
+            baseline_bytes=tracker.memory.current_bytes(),
+            memory_method=tracker.memory.method,
+            time_method=tracker.time_method,
+        )
+        if rank == 0:
+            result["environment"] = environment(device.type, world)
+        ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+        adapter = registry.adapter_class(spec.framework)(spec, ctx)
+        data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed, rank)
+        progress = StepProgress() if rank == 0 else None
+        result.update(StageLoop(adapter, spec, tracker, data, progress).run(stage, init))
+        result["notes"] = adapter.notes()
+        stability = result["stability"]
+        if stability["classification"] == "diverged":
+            result["status"] = "nan"
+            reason = stability["aborted"] or (
+                f"non-finite {stability['first_nonfinite_metric']} from step {stability['first_nonfinite_step']}"
+            )
+            result["error"] = {"message": reason, "phase": "training"}
+        else:
+            result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
+    except BaseException as err:  # noqa: BLE001 -- every failure must become a record
+        result["status"] = classify(err)
+        phase = tracker.current_phase if tracker is not None else "startup"
+        result["error"] = {"message": f"{type(err).__name__}: {err}", "phase": phase,
+                           "traceback": traceback.format_exc(limit=20)}
+        print(result["error"]["traceback"], file=sys.stderr)
+    finally:
+        if tracker is not None:
+            result["phase_samples"] = tracker.samples
+        if adapter is not None:
+            try:
+                adapter.close()
+            except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
+                result.setdefault("notes", []).append(f"close failed: {err}")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    faulthandler.enable()
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("spec")
+    parser.add_argument("stage_dir")
+    parser.add_argument("stage")
+    parser.add_argument("--init-sft")
+    parser.add_argument("--init-rm")
+    args = parser.parse_args(argv)
+    with open(args.spec) as f:
+        spec = RunSpec.from_dict(json.load(f))
+    init = {k: v for k, v in (("sft", args.init_sft), ("rm", args.init_rm)) if v}
+    result = run_rank(spec, args.stage, args.stage_dir, init)
+    write_json(os.path.join(args.stage_dir, f"rank{result['rank']}.json"), result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

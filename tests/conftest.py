@@ -1,0 +1,40 @@
+"""Shared fixtures: real runs of the benchmark on the tiny model, isolated in temporary directories."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bench.benchmark import run_benchmark
+from bench.config import compose
+from bench.spec import spec_from_config
+
+# Two ranks already fill both cores of the reference machine; more threads per rank only spin.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+@pytest.fixture(scope="session")
+def rm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """One cache of prerequisite reward models for the whole session (PPO runs without init.rm)."""
+    return str(tmp_path_factory.mktemp("rm-cache"))
+
+
+@pytest.fixture
+def run_bench(tmp_path, rm_cache) -> Callable[..., dict[str, Any]]:
+    """Runs `bench` with Hydra overrides for real and returns the record as written on disk."""
+
+    def run(*overrides: str, name: str = "run") -> dict[str, Any]:
+        config = compose(list(overrides))
+        spec = spec_from_config(config)
+        record = run_benchmark(spec, str(tmp_path / name), config, rm_cache, echo=False)
+        import json
+
+        with open(tmp_path / name / "record.json") as f:
+            on_disk = json.load(f)
+        assert on_disk["status"] == record.status
+        return on_disk
+
+    return run

@@ -1,0 +1,183 @@
+"""The DeepSpeed-Chat adapter on the real deepspeed engine, tiny model, CPU (or GPU where present).
+
+Each test is a real run in its own process tree; assertions are on what the record measured.
+`framework.optimizer=torch_adamw` keeps most runs off DeepSpeed's JIT-built Adam ops; the tests that
+need DS-Chat's own optimizers (FusedAdam, DeepSpeedCPUAdam) use them.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TORCH_ADAMW = "framework.optimizer=torch_adamw"
+UNIT_SUFFIXES = ("_bytes", "_s", "_per_s", "_per_rank", "_steps", "_excluded")
+
+pytestmark = pytest.mark.engine
+
+
+def phase_peak(record: dict, stage: str, phase: str) -> int:
+    return record["stages"][stage]["memory"]["phases"][phase]["peak_bytes"]
+
+
+def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench):
+    record = run_bench("stage=sft", "zero=0", "precision=fp32", "lora=0", TORCH_ADAMW)
+    assert record["status"] == "ok" and record["schema_version"] == 1
+    sft = record["stages"]["sft"]
+    curve = sft["learning"]["loss_curve"]
+    assert len(curve) == 20 and curve[-1] < curve[0] - 1.0, curve
+    memory = sft["memory"]
+    assert set(memory["phases"]) == {"init", "training"}
+    assert memory["method"] and memory["unit"] == "bytes"
+    assert memory["baseline_bytes_per_rank"][0] > 0
+    training = memory["phases"]["training"]
+    assert training["peak_bytes"] >= memory["baseline_bytes_per_rank"][0]
+    speed = sft["throughput"]["phases"]["training"]
+    assert speed["measured_steps"] == 20 - record["config"]["warmup_steps"]
+    assert speed["tokens_per_s_global"] > 0 and speed["tflops_per_s_per_rank"][0] > 0
+    for key in list(speed) + list(training):
+        assert key.endswith(UNIT_SUFFIXES), key
+    assert sft["params"]["actor"]["total"] == sft["params"]["actor"]["trainable"] > 0
+    assert record["environment"]["libraries"]["deepspeed"] == "0.19.8"
+    assert sft["stability"]["classification"] == "stable"
+
+
+def test_rm_bf16_zero2_lora_learns_the_preference_and_trains_only_adapters(run_bench):
+    record = run_bench("stage=rm", "zero=2", "precision=bf16", "lora=8", TORCH_ADAMW)
+    rm = record["stages"]["rm"]
+    assert rm["status"] == "ok"
+    assert rm["learning"]["accuracy_end"] >= 0.8, rm["learning"]
+    params = rm["params"]["reward"]
+    assert 0 < params["trainable"] < params["total"] / 5  # LoRA factors plus the v_head
+    state = rm["model_state"]["reward"]
+    assert state["trainable_param_bytes_per_rank"][0] < state["param_bytes_per_rank"][0] / 5
+
+
+def test_ppo_fp16_zero3_lora_builds_four_engines_and_tracks_the_loss_scale(run_bench):
+    record = run_bench("zero=3", "precision=fp16", "lora=8", "steps=5", TORCH_ADAMW)
+    ppo = record["stages"]["ppo"]
+    assert ppo["status"] == "ok", ppo["error"]
+    assert set(ppo["params"]) == {"actor", "ref", "critic", "reward"}
+    state = ppo["model_state"]
+    assert state["ref"]["optimizer_state_bytes_per_rank"] == [0] == state["reward"]["optimizer_state_bytes_per_rank"]
+    assert state["actor"]["optimizer_state_bytes_per_rank"][0] > 0
+    assert set(ppo["memory"]["phases"]) == {"init", "generation", "experience", "training"}
+    trajectory = ppo["stability"]["loss_scale_trajectory"]
+    assert set(trajectory) == {"actor", "critic"} and trajectory["actor"][0][1] > 1
+    assert record["prerequisites"]["rm"]["status"] == "ok"
+
+
+def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
+    record = run_bench("stage=pipeline", "zero=2", "precision=bf16", "steps=4", "warmup_steps=1", TORCH_ADAMW)
+    assert [s["status"] for s in record["stages"].values()] == ["ok", "ok", "ok"]
+    assert not record["prerequisites"], "the pipeline trains its own RM"
+    assert record["stages"]["sft"]["checkpoint"].endswith("actor.pt")
+    assert record["stages"]["rm"]["checkpoint"].endswith("reward.pt")
+    notes = " ".join(record["stages"]["ppo"]["notes"])
+    assert "random base weights" not in notes
+    spec = json.loads((Path(record["stages"]["ppo"]["checkpoint"]).parents[2] / "ppo" / "spec.json").read_text())
+    assert spec["stage"] == "pipeline"
+
+
+def test_ppo_default_config_raises_the_reward_over_30_steps(run_bench):
+    record = run_bench("steps=30")  # DS-Chat defaults: FusedAdam, fp32, ZeRO-0, no LoRA
+    learning = record["stages"]["ppo"]["learning"]
+    assert learning["reward_window_steps"] == 10
+    assert learning["reward_end"] > learning["reward_start"], learning["reward_curve"]
+
+
+def test_forced_divergence_is_recorded_with_its_step_and_exits_cleanly(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "stage=sft", "precision=fp16", "lr=1000", TORCH_ADAMW,
+         f"output_root={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (record_path,) = tmp_path.glob("runs/*/record.json")
+    record = json.loads(record_path.read_text())
+    stability = record["stages"]["sft"]["stability"]
+    assert stability["classification"] in ("diverged", "skip-storm")
+    assert stability["first_nonfinite_step"] is not None or stability["longest_skip_run"] >= 5
+    assert record["status"] in ("nan", "ok")
+    assert stability["loss_scale_min"] < 2.0**16  # the dynamic scale came down
+
+
+def test_zero3_on_two_ranks_halves_parameter_and_optimizer_memory_per_rank(run_bench):
+    one = run_bench("stage=sft", "zero=3", "precision=bf16", "steps=4", "warmup_steps=1", TORCH_ADAMW, name="one")
+    two = run_bench("stage=sft", "zero=3", "precision=bf16", "steps=4", "warmup_steps=1", TORCH_ADAMW,
+                    "launcher.nproc=2", name="two")
+    state_one = one["stages"]["sft"]["model_state"]["actor"]
+    state_two = two["stages"]["sft"]["model_state"]["actor"]
+    assert len(state_two["param_bytes_per_rank"]) == 2
+    for key in ("param_bytes_per_rank", "optimizer_state_bytes_per_rank"):
+        assert max(state_two[key]) < 0.6 * state_one[key][0], (key, state_one[key], state_two[key])
+    assert len(two["stages"]["sft"]["memory"]["phases"]["training"]["peak_bytes_per_rank"]) == 2
+    assert two["environment"]["world_size"] == 2
+
+
+def test_two_rank_ppo_zero3_generates_in_lockstep(run_bench):
+    record = run_bench("zero=3", "precision=bf16", "steps=3", "warmup_steps=1", "launcher.nproc=2", TORCH_ADAMW)
+    ppo = record["stages"]["ppo"]
+    assert ppo["status"] == "ok", ppo["error"]
+    generation = ppo["throughput"]["phases"]["generation"]
+    assert len(generation["tokens_per_s_per_rank"]) == 2
+    assert generation["tokens_per_s_global"] > max(generation["tokens_per_s_per_rank"])
+
+
+def test_hybrid_engine_on_cpu_says_it_runs_control_flow_only(run_bench):
+    record = run_bench("framework.hybrid_engine=true", "zero=2", "precision=bf16", "steps=3", "warmup_steps=1",
+                       TORCH_ADAMW)
+    ppo = record["stages"]["ppo"]
+    assert ppo["status"] == "ok", ppo["error"]
+    (note,) = [n for n in ppo["notes"] if n.startswith("hybrid engine")]
+    if record["environment"]["device"] == "cpu":
+        assert "0 inference containers" in note and "no inference kernels" in note
+
+
+def test_offload_and_gradient_checkpointing_with_ds_chat_optimizers(run_bench):
+    record = run_bench("zero=3", "offload=true", "grad_ckpt=true", "precision=bf16", "steps=3", "warmup_steps=1")
+    ppo = record["stages"]["ppo"]
+    assert ppo["status"] == "ok", ppo["error"]
+    assert any("DeepSpeedCPUAdam" in n for n in ppo["notes"])
+
+
+def test_a_failing_run_is_a_record_not_a_crash(run_bench, tmp_path):
+    record = run_bench("stage=sft", f"model.path={tmp_path / 'missing'}", TORCH_ADAMW)
+    assert record["status"] == "error"
+    error = record["stages"]["sft"]["error"]
+    assert error["phase"] == "init" and "missing" in error["message"]
+
+
+def test_a_hung_run_becomes_a_timeout_record(run_bench):
+    record = run_bench("stage=sft", "launcher.timeout_s=2", TORCH_ADAMW)
+    assert record["status"] == "timeout"
+    assert "launcher.timeout_s=2" in record["stages"]["sft"]["error"]["message"]
+
+
+def test_readme_command_prints_a_table_and_writes_a_record(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "framework=dschat", "zero=2", "precision=bf16",
+         f"output_root={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak MiB" in proc.stdout and "ppo: ok" in proc.stdout
+    records = list(tmp_path.glob("runs/*/record.json"))
+    assert len(records) == 1 and json.loads(records[0].read_text())["status"] == "ok"
+
+
+def test_local_hugging_face_checkpoint_via_model_path(run_bench, tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    checkpoint = tmp_path / "local-gpt2"
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64)).save_pretrained(
+        checkpoint)
+    record = run_bench("stage=sft", f"model.path={checkpoint}", "steps=4", "warmup_steps=1", TORCH_ADAMW)
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "ok", sft["error"]
+    assert sft["params"]["actor"]["total"] < 200_000  # the checkpoint's size, not model=tiny's

@@ -1,0 +1,76 @@
+"""Configuration: every bad value fails before launch, with a message naming it and what is allowed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.config import compose
+from bench.models import meta_param_count
+from bench.spec import ModelSpec, SpecError, UnsupportedError, spec_from_config
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def spec(*overrides: str):
+    return spec_from_config(compose(list(overrides)))
+
+
+def test_default_spec_is_dschat_ppo_on_tiny():
+    s = spec()
+    assert (s.framework, s.stage, s.model.name, s.stages) == ("dschat", "ppo", "tiny", ("ppo",))
+
+
+@pytest.mark.parametrize(
+    ("override", "expected"),
+    [
+        ("zero=5", ["zero=5", "0, 1, 2, 3"]),
+        ("precision=fp8", ["precision='fp8'", "fp32, bf16, fp16"]),
+        ("lora=-1", ["lora=-1", ">= 0"]),
+        ("batch=0", ["batch=0", ">= 1"]),
+        ("launcher.nproc=0", ["launcher.nproc=0", ">= 1"]),
+        ("launcher.device=tpu", ["launcher.device='tpu'", "auto, cpu, cuda"]),
+        ("framework.optimizer=sgd", ["framework.optimizer='sgd'", "fused_adam, torch_adamw"]),
+        ("prompt_len=100", ["exceeds model.positions=128"]),
+        ("steps=2", ["leaves no measured step after warmup_steps=2"]),
+    ],
+)
+def test_bad_values_are_named_with_the_allowed_ones(override, expected):
+    with pytest.raises(SpecError) as err:
+        spec(override)
+    for text in expected:
+        assert text in str(err.value)
+
+
+def test_unsupported_combinations_fail_before_launch():
+    with pytest.raises(UnsupportedError, match="offload=true needs zero >= 1"):
+        spec("offload=true", "zero=0")
+    with pytest.raises(UnsupportedError, match="hybrid_engine"):
+        spec("framework.hybrid_engine=true", "offload=true", "zero=2", "lora=0")
+    assert spec("framework.hybrid_engine=true", "offload=true", "zero=2", "lora=8").lora == 8
+
+
+@pytest.mark.parametrize("override", ["zero=5", "precision=fp8", "lora=-1"])
+def test_cli_rejects_bad_override_without_launching(override, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", override, f"output_root={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "invalid configuration" in proc.stdout and override.split("=")[0] in proc.stdout
+    assert not list(tmp_path.glob("runs/*/*/worker.log")), "a worker was launched"
+
+
+def test_glm_10b_is_countable_on_meta():
+    counts = meta_param_count(ModelSpec(**compose(["model=glm-10b"])["model"]))
+    assert 9.80e9 < counts.total < 9.95e9, counts
+    assert counts.trainable == counts.total
+
+
+def test_stage_lr_override_applies_to_the_main_role_only():
+    s = spec("lr=0.5")
+    assert s.stage_lr("actor") == 0.5 and s.stage_lr("sft") == 0.5
+    assert s.stage_lr("critic") == s.model.lr["critic"]
