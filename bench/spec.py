@@ -200,8 +200,8 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
     name = _choice("framework", framework.pop("name"), registry.names())
     stage = _choice("stage", cfg["stage"]["name"], tuple(STAGE_CHOICES))
     steps = dict(cfg["stage_steps"])
-    if cfg.get("steps") is not None:
-        steps = {s: cfg["steps"] for s in steps}
+    if cfg.get("steps") is not None:  # this run's stages only: a prerequisite RM keeps its own default
+        steps.update({s: cfg["steps"] for s in STAGE_CHOICES[stage]})
     model = dict(cfg["model"])
     model["lr"] = dict(model["lr"])
     spec = RunSpec(

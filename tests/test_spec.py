@@ -34,7 +34,7 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("launcher.nproc=0", ["launcher.nproc=0", ">= 1"]),
         ("launcher.device=tpu", ["launcher.device='tpu'", "auto, cpu, cuda"]),
         ("framework.optimizer=sgd", ["framework.optimizer='sgd'", "fused_adam, torch_adamw"]),
-        ("prompt_len=100", ["exceeds model.positions=128"]),
+        ("prompt_len=120", ["exceeds model.positions=128"]),
         ("steps=2", ["leaves no measured step after warmup_steps=2"]),
     ],
 )
@@ -68,6 +68,11 @@ def test_glm_10b_is_countable_on_meta():
     counts = meta_param_count(ModelSpec(**compose(["model=glm-10b"])["model"]))
     assert 9.80e9 < counts.total < 9.95e9, counts
     assert counts.trainable == counts.total
+
+
+def test_steps_override_applies_to_this_runs_stages_only():
+    assert spec("steps=5").steps == {"sft": 20, "rm": 30, "ppo": 5}
+    assert spec("steps=5", "stage=pipeline").steps == {"sft": 5, "rm": 5, "ppo": 5}
 
 
 def test_stage_lr_override_applies_to_the_main_role_only():
