@@ -135,7 +135,8 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "unit": "bytes",
         "aggregate": "max over ranks of the max over steps (per-rank values alongside)",
         "baseline_bytes_per_rank": [r.get("baseline_bytes") for r in ranks],
-        "baseline_definition": "process memory at worker start, after imports, before any model is built",
+        "baseline_definition": ("process memory at worker start: after importing torch and transformers, "
+                                "before the framework is imported and before any model is built"),
         "phases": phases,
         "timeline": [{"phase": p, "step": s, "peak_bytes": b} for (p, s), b in sorted(timeline.items(),
                                                                                     key=lambda kv: kv[0][1])],

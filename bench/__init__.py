@@ -1,0 +1,1 @@
+"""rlhf-bench core: run spec, launcher, trackers, records. Imports no RLHF framework."""
