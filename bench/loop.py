@@ -11,6 +11,7 @@ from typing import Any
 from adapters.base import Adapter, TrainOutput
 from bench.data import SyntheticData
 from bench.flops import phase_flops
+from bench.progress import StepProgress
 from bench.spec import RunSpec
 from bench.trackers.phases import PhaseTracker
 from bench.trackers.stability import StabilityTracker
@@ -31,7 +32,7 @@ def _train_values(out: TrainOutput) -> dict[str, float | None]:
 
 class StageLoop:
     def __init__(self, adapter: Adapter, spec: RunSpec, tracker: PhaseTracker, data: SyntheticData,
-                 progress: Any = None) -> None:
+                 progress: StepProgress | None = None) -> None:
         self.adapter = adapter
         self.spec = spec
         self.tracker = tracker

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -79,3 +80,17 @@ def test_stage_lr_override_applies_to_the_main_role_only():
     s = spec("lr=0.5")
     assert s.stage_lr("actor") == 0.5 and s.stage_lr("sft") == 0.5
     assert s.stage_lr("critic") == s.model.lr["critic"]
+
+
+def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.run", "-m", "stage=sft", "offload=true", "zero=0,1", "steps=3",
+         "warmup_steps=1", "framework.optimizer=torch_adamw", f"output_root={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    records = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.glob("sweeps/*/*/record.json")}
+    by_zero = {r["config"]["zero"]: r for r in records.values()}
+    assert by_zero[0]["status"] == "unsupported" and "offload=true needs zero >= 1" in by_zero[0]["error"]["message"]
+    assert by_zero[1]["status"] == "ok", by_zero[1]["error"]
+    assert by_zero[1]["stages"]["sft"]["model_state"]["actor"]["optimizer_state_bytes_per_rank"][0] > 0
