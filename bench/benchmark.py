@@ -63,6 +63,7 @@ def prerequisite_rm(spec: RunSpec, cache_dir: str, echo: bool) -> dict[str, Any]
 
 def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir: str,
                   echo: bool = True) -> ResultRecord:
+    run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
     record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config)
     record_path = os.path.join(run_dir, RECORD_FILE)

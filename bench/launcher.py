@@ -68,6 +68,7 @@ def _log_tail(path: str) -> str:
 
 def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str], echo: bool = True
                  ) -> StageOutcome:
+    stage_dir = os.path.abspath(stage_dir)  # workers run from the repository root
     os.makedirs(stage_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(stage_dir, "rank*.json")):
         os.unlink(stale)
@@ -78,7 +79,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
         f"--nproc_per_node={spec.launcher.nproc}", "-m", "bench.worker", spec_path, stage_dir, stage,
     ]
     for key, path in init.items():
-        cmd += [f"--init-{key}", path]
+        cmd += [f"--init-{key}", os.path.abspath(path)]
     log_path = os.path.join(stage_dir, "worker.log")
     start = time.perf_counter()
     failure = None

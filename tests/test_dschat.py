@@ -84,7 +84,8 @@ def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
     assert record["stages"]["rm"]["checkpoint"].endswith("reward.pt")
     notes = " ".join(record["stages"]["ppo"]["notes"])
     assert "random base weights" not in notes
-    spec = json.loads((Path(record["stages"]["ppo"]["checkpoint"]).parents[2] / "ppo" / "spec.json").read_text())
+    assert record["stages"]["ppo"]["checkpoint"].endswith("ppo/checkpoint/actor.pt")
+    spec = json.loads((Path(record["stages"]["ppo"]["checkpoint"]).parents[1] / "spec.json").read_text())
     assert spec["stage"] == "pipeline"
 
 

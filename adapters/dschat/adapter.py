@@ -363,7 +363,7 @@ class DSChatAdapter(Adapter):
 
     # ----------------------------------------------------------------- state
     def save(self, stage: str, directory: str) -> str:
-        role = "actor" if stage == "sft" else "reward"
+        role = "reward" if stage == "rm" else "actor"  # step 3 keeps the RLHF-trained actor
         module = self.engines[role].module
         path = os.path.join(directory, f"{role}.pt")
         gather = (
