@@ -109,10 +109,12 @@ class Adapter(ABC):
         """Build the stage's models and engines; `init` maps "sft"/"rm" to checkpoint files."""
 
     @abstractmethod
-    def sft_step(self, batch: SFTBatch) -> TrainOutput: ...
+    def sft_step(self, batch: SFTBatch) -> TrainOutput:
+        """One SFT step; the trained role is named "actor" (the model PPO will start from)."""
 
     @abstractmethod
-    def rm_step(self, batch: PreferenceBatch) -> TrainOutput: ...
+    def rm_step(self, batch: PreferenceBatch) -> TrainOutput:
+        """One pairwise reward-model step; the trained role is named "reward"."""
 
     @abstractmethod
     def rm_accuracy(self, batch: PreferenceBatch) -> float:

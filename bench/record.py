@@ -254,10 +254,10 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
         return record
     ranks = sorted(ranks, key=lambda r: r["rank"])
     record.params = ranks[0].get("params", {})
-    record.model_state = {
-        role: {f"{k}_per_rank": [r.get("model_state", {}).get(role, {}).get(k) for r in ranks] for k in keys}
-        for role, keys in ((role, list(state)) for role, state in ranks[0].get("model_state", {}).items())
-    }
+    for role, state in ranks[0].get("model_state", {}).items():
+        record.model_state[role] = {
+            f"{key}_per_rank": [r.get("model_state", {}).get(role, {}).get(key) for r in ranks] for key in state
+        }
     if record.model_state:
         record.model_state["method"] = ("bytes of the tensors each rank's engine holds: parameters (ZeRO-3 "
                                         "partitions plus any gathered copy), optimizer states plus fp32 master "
