@@ -141,6 +141,25 @@ class Adapter(ABC):
     def model_state(self) -> dict[str, ModelState]:
         """Per-role bytes of parameters and optimizer state held by this rank."""
 
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which batch this rank draws: ranks that split one model (TP/PP) must see the same data."""
+        return self.ctx.rank
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks one model replica is split over (TP x PP); each does 1/this of a replica's FLOPs."""
+        return 1
+
+    #: Whether PPO moves its inference-only models between host and device (then `shuttle` is measured
+    #: as the phases "onload", before rollout, and "offload", before the update).
+    shuttles_models: bool = False
+
+    def shuttle(self, direction: str) -> dict[str, int]:
+        """Move the inference-only models ("onload" to the device, "offload" to the host); returns
+        {"bytes_moved": ...}."""
+        raise NotImplementedError(f"{type(self).__name__} does not shuttle models")
+
     def notes(self) -> list[str]:
         """Facts a reader of the record must know (fallbacks taken, features unavailable here)."""
         return []

@@ -22,6 +22,10 @@ _ENTRIES: dict[str, AdapterEntry] = {
         options="adapters.dschat.options:DSChatOptions",
         adapter="adapters.dschat.adapter:DSChatAdapter",
     ),
+    "colossalai": AdapterEntry(
+        options="adapters.colossalai.options:ColossalOptions",
+        adapter="adapters.colossalai.adapter:ColossalAdapter",
+    ),
 }
 
 

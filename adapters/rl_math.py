@@ -12,6 +12,12 @@ def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions that skip left padding, matching what HF generate uses for left-padded prompts."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1)

@@ -26,6 +26,7 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     cheap settings so that every PPO configuration of a sweep scores against the same RM."""
     return spec.replace(
         stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, lr=None,
+        plugin="auto", tp=1, pp=1,
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )

@@ -47,9 +47,12 @@ class StageLoop:
             if isinstance(result, dict):
                 tokens, samples = result["tokens"], result["samples"]
             sample.update(tokens=tokens, samples=samples)
+            if isinstance(result, dict) and "bytes_moved" in result:
+                sample["bytes_moved"] = result["bytes_moved"]
             if hasattr(result, "generated_tokens"):
                 sample["generated_tokens"] = result.generated_tokens
-            sample["flops"] = phase_flops(phase, roles[phase], params, tokens) if phase in roles else None
+            flops = phase_flops(phase, roles[phase], params, tokens) if phase in roles else None
+            sample["flops"] = flops / self.adapter.model_parallel_size if flops is not None else None
         return result
 
     def run(self, stage: str, init: dict[str, str]) -> dict[str, Any]:
@@ -101,6 +104,11 @@ class StageLoop:
 
         return self._measure("evaluation", step, roles, compute, work)["accuracy"]
 
+    def _shuttle(self, direction: str, step: int, roles, compute) -> None:
+        if self.adapter.shuttles_models:
+            self._measure(direction, step, roles, compute,
+                          lambda: {"tokens": None, "samples": None, **self.adapter.shuttle(direction)})
+
     def _step(self, stage: str, step: int, roles, compute) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
         if stage == "sft":
@@ -111,9 +119,11 @@ class StageLoop:
             out = self._measure("training", step, roles, compute, lambda: self.adapter.rm_step(batch))
         else:
             prompts = self.data.prompts(step)
+            self._shuttle("onload", step, roles, compute)
             rollout = self._measure("generation", step, roles, compute, lambda: self.adapter.generate(prompts))
             experience = self._measure("experience", step, roles, compute,
                                        lambda: self.adapter.make_experience(rollout))
+            self._shuttle("offload", step, roles, compute)
             out = self._measure("training", step, roles, compute, lambda: self.adapter.ppo_train(experience))
             answers, mask = rollout.answers
             record.update(

@@ -21,7 +21,7 @@ from bench.flops import FORMULA
 SCHEMA_VERSION = 1
 STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")
 _CLASS_ORDER = ("stable", "recovered", "skip-storm", "diverged")
-PHASE_ORDER = ("init", "generation", "experience", "training", "evaluation")
+PHASE_ORDER = ("init", "onload", "generation", "experience", "offload", "training", "evaluation")
 
 
 def _jsonable(value: Any) -> Any:
@@ -143,6 +143,13 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _one_per_replica(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: dict[int, dict[str, Any]] = {}
+    for entry in per_rank:
+        seen.setdefault(entry["replica"], entry)
+    return list(seen.values())
+
+
 def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     names = [p for p in PHASE_ORDER if any(s["phase"] == p for r in ranks for s in r.get("phase_samples", []))]
@@ -162,19 +169,26 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             samples = sum(s.get("samples") or 0 for s in measured)
             flops = sum(s.get("flops") or 0.0 for s in measured)
             per_rank.append({"steps": len(measured), "time_s": time_s, "tokens": tokens, "samples": samples,
-                             "flops": flops})
+                             "flops": flops, "replica": r.get("data_parallel_rank", r["rank"])})
         if not per_rank:
             continue
         slowest = max(p["time_s"] for p in per_rank)
+        if not any(s.get("tokens") is not None for r in ranks for s in r.get("phase_samples", [])
+                   if s["phase"] == phase):  # host<->device model moves: time and bytes, no tokens
+            moved = [s.get("bytes_moved") or 0 for s in ranks[0]["phase_samples"] if s["phase"] == phase]
+            phases[phase] = {"measured_steps": per_rank[0]["steps"], "time_s_per_step": slowest / per_rank[0]["steps"],
+                             "time_s_per_step_per_rank": [p["time_s"] / p["steps"] for p in per_rank],
+                             "bytes_moved_per_step_rank0": max(moved) if moved else 0}
+            continue
         steps = per_rank[0]["steps"]
         phases[phase] = {
             "measured_steps": steps,
             "time_s_per_step": slowest / steps,
             "time_s_per_step_per_rank": [p["time_s"] / p["steps"] for p in per_rank],
             "tokens_per_s_per_rank": [p["tokens"] / p["time_s"] for p in per_rank],
-            "tokens_per_s_global": sum(p["tokens"] for p in per_rank) / slowest,
+            "tokens_per_s_global": sum(p["tokens"] for p in _one_per_replica(per_rank)) / slowest,
             "samples_per_s_per_rank": [p["samples"] / p["time_s"] for p in per_rank],
-            "samples_per_s_global": sum(p["samples"] for p in per_rank) / slowest,
+            "samples_per_s_global": sum(p["samples"] for p in _one_per_replica(per_rank)) / slowest,
             "tflops_per_s_per_rank": [p["flops"] / p["time_s"] / 1e12 for p in per_rank],
         }
     step_phases = [p for p in phases if p not in ("init", "evaluation")]
@@ -183,7 +197,8 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "time_method": ranks[0].get("time_method"),
         "warmup_steps_excluded": warmup,
         "token_count": "real (non-pad) tokens; generation: prompt + generated tokens",
-        "global_definition": "sum of tokens over ranks / the slowest rank's time",
+        "global_definition": ("sum of tokens over data-parallel replicas (ranks that split one model with "
+                              "TP/PP share a batch and count once) / the slowest rank's time"),
         "flops_formula": FORMULA,
         "phases": phases,
         "share_of_step_time": {p: phases[p]["time_s_per_step"] / total for p in step_phases} if total else {},

@@ -131,6 +131,9 @@ class RunSpec:
     seed: int = 1234
     grad_ckpt: bool = False
     offload: bool = False
+    plugin: str = "auto"
+    tp: int = 1
+    pp: int = 1
     init: InitSpec = field(default_factory=InitSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -147,6 +150,19 @@ class RunSpec:
         _int("seed", self.seed, 0)
         _bool("grad_ckpt", self.grad_ckpt)
         _bool("offload", self.offload)
+        if not isinstance(self.plugin, str) or not self.plugin:
+            raise SpecError(f"plugin={self.plugin!r} must be a name (auto = chosen from zero, precision, offload)")
+        _int("tp", self.tp, 1)
+        _int("pp", self.pp, 1)
+        if self.launcher.nproc % (self.tp * self.pp):
+            raise SpecError(
+                f"tp={self.tp} x pp={self.pp} must divide launcher.nproc={self.launcher.nproc} "
+                "(data parallelism takes the remaining factor)"
+            )
+        if self.model.heads % self.tp:
+            raise SpecError(f"tp={self.tp} must divide model.heads={self.model.heads}")
+        if self.pp > self.model.layers:
+            raise SpecError(f"pp={self.pp} exceeds model.layers={self.model.layers}: a pipeline stage would be empty")
         if self.lr is not None:
             _positive_float("lr", self.lr)
         for stage in self.stages:
@@ -164,6 +180,10 @@ class RunSpec:
             raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
         if self.offload and self.zero == 0:
             raise UnsupportedError("offload=true needs zero >= 1: ZeRO-Offload moves ZeRO-partitioned state")
+
+    @property
+    def data_parallel(self) -> int:
+        return self.launcher.nproc // (self.tp * self.pp)
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -221,6 +241,9 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         seed=cfg["seed"],
         grad_ckpt=cfg["grad_ckpt"],
         offload=cfg["offload"],
+        plugin=cfg["plugin"],
+        tp=cfg["tp"],
+        pp=cfg["pp"],
         init=InitSpec(**dict(cfg.get("init") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),

@@ -73,7 +73,9 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
         adapter = registry.adapter_class(spec.framework)(spec, ctx)
-        data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed, rank)
+        result["data_parallel_rank"] = adapter.data_parallel_rank
+        data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
+                             adapter.data_parallel_rank)
         progress = StepProgress() if rank == 0 else None
         result.update(StageLoop(adapter, spec, tracker, data, progress).run(stage, init))
         result["notes"] = adapter.notes()

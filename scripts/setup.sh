@@ -24,5 +24,16 @@ pip_install --upgrade pip
 # torch first and alone, so that no other requirement can pull a multi-GB CUDA build of it.
 pip_install "${TORCH_SPEC:-torch==2.13.0}"
 pip_install -e ".[dev]"
-.venv/bin/python -c "import torch, deepspeed, transformers; print('setup: torch', torch.__version__, \
-'deepspeed', deepspeed.__version__, 'transformers', transformers.__version__)" 2>/dev/null
+# colossalai 0.5.0 declares torch<=2.5.1, ray, diffusers, fabric, ... but imports only a few of them: it is
+# installed without dependencies, then the modules its booster imports, with the installed torch held fixed.
+# Pinned because the adapter's CPU compatibility layer patches 0.5.0's internals. Its transformers==4.51.3
+# and peft<=0.13.2 pins are the project's own (pyproject.toml).
+torch_now=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+constraints=$(mktemp)
+echo "torch==$torch_now" > "$constraints"
+pip_install --no-deps "colossalai==0.5.0"
+pip_install -c "$constraints" "einops==0.8.2" "galore-torch==1.0" "bitsandbytes==0.50.2"
+rm -f "$constraints"
+.venv/bin/python -c "import torch, deepspeed, transformers, colossalai; print('setup: torch', torch.__version__, \
+'deepspeed', deepspeed.__version__, 'colossalai', colossalai.__version__, 'transformers', transformers.__version__)" \
+  2>/dev/null

@@ -20,8 +20,8 @@ from adapters.base import Adapter, Experience, ModelState, RankContext, Rollout,
 from adapters.dschat import ds_config
 from adapters.dschat.lora import convert_to_lora, fused_state_dict, only_optimize_lora
 from adapters.dschat.options import DSChatOptions
-from adapters.dschat.reward_model import RewardModel, position_ids
-from adapters.rl_math import gae, gather_log_probs, masked_mean, policy_loss, value_loss
+from adapters.dschat.reward_model import RewardModel
+from adapters.rl_math import gae, gather_log_probs, masked_mean, policy_loss, position_ids, value_loss
 from bench.data import EOS, PAD, PreferenceBatch, PromptBatch, SFTBatch
 from bench.models import ParamCounts, build_causal_lm, count_params, gpt2_config
 from bench.spec import RunSpec

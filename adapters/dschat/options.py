@@ -56,6 +56,13 @@ class DSChatOptions:
     @classmethod
     def validate(cls, spec: RunSpec) -> DSChatOptions:
         options = cls.from_dict(spec.framework_options)
+        if spec.plugin != "auto":
+            raise SpecError(f"plugin={spec.plugin!r} is a colossalai knob; dschat takes plugin=auto")
+        if spec.tp > 1 or spec.pp > 1:
+            raise UnsupportedError(
+                f"dschat trains without tensor or pipeline parallelism (tp={spec.tp}, pp={spec.pp}); its only TP is "
+                "the Hybrid Engine's inference TP during generation"
+            )
         if (options.hybrid_engine and spec.offload and spec.zero == 2 and spec.lora == 0
                 and "ppo" in spec.stages):
             # DS-Chat's step-3 main.py refuses this exact combination with a ValueError.

@@ -8,13 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from adapters.rl_math import position_ids
 from bench.data import PAD
-
-
-def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions that skip left padding, matching what HF generate uses for left-padded prompts."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp(min=0)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

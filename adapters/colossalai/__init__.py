@@ -1,0 +1,1 @@
+"""ColossalChat (coati) re-created on the colossalai Booster (imported lazily by the adapter)."""

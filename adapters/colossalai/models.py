@@ -1,0 +1,53 @@
+"""ColossalChat's value models (coati/models/reward_model.py, critic.py): a transformer backbone plus a
+fresh linear value head. The reward model scores a sequence at its last attended token; the critic
+gives a value per token."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from bench.models import gpt2_config
+from bench.spec import ModelSpec
+
+
+def build_backbone(model: ModelSpec) -> nn.Module:
+    from transformers import AutoModel, GPT2Model
+
+    if model.path:
+        return AutoModel.from_pretrained(model.path, local_files_only=True)
+    return GPT2Model(gpt2_config(model))
+
+
+class _ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__()
+        self.model = backbone
+        self.config = backbone.config  # shardformer policies read the root module's config
+        hidden = backbone.config.hidden_size
+        self.value_head = nn.Linear(hidden, 1)
+        self.value_head.weight.data.normal_(mean=0.0, std=1 / (hidden + 1))
+
+    def get_input_embeddings(self) -> nn.Module:  # shardformer's policy reads it from the root module
+        return self.model.get_input_embeddings()
+
+    def get_output_embeddings(self) -> None:  # a value model has no LM head to tie
+        return None
+
+    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask)["last_hidden_state"]
+
+
+class RewardModel(_ValueModel):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self._hidden(input_ids, attention_mask)
+        positions = torch.arange(input_ids.size(1), device=input_ids.device)
+        last = (attention_mask * positions).max(dim=1).values
+        picked = hidden[torch.arange(hidden.size(0), device=hidden.device), last]
+        return self.value_head(picked.to(self.value_head.weight.dtype)).squeeze(-1)
+
+
+class Critic(_ValueModel):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        hidden = self._hidden(input_ids, attention_mask)
+        return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

@@ -1,0 +1,170 @@
+"""ColossalChat's knobs and the plugin choice, validated before launch (imports no framework)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.spec import RunSpec, SpecError, UnsupportedError
+
+OPTIMIZERS = ("hybrid_adam", "torch_adamw")
+PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
+LORA_BIAS = ("none", "all", "lora")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    alpha: float = 32.0
+    linear_dropout: float = 0.1
+    embedding_dropout: float = 0.0
+    train_bias: str = "none"
+
+
+@dataclass(frozen=True)
+class PPOOptions:
+    kl_coef: float = 0.1
+    reward_clip: float = 5.0
+    eps_clip: float = 0.2
+    value_clip: float = 0.2
+    vf_coef: float = 1.0
+    gamma: float = 1.0
+    lam: float = 0.95
+    skip_threshold: float = 20.0
+    ratio_max: float = 10.0
+    temperature: float = 0.7
+    top_k: int = 50
+    rollout_seed: int | None = 41
+    num_update_steps: int = 1
+    logits_forward_batch_size: int = 2
+    offload_inference_models: bool = True
+
+
+@dataclass(frozen=True)
+class PluginChoice:
+    """The resolved booster plugin: its config name, class and constructor arguments."""
+
+    name: str
+    cls: str
+    kwargs: dict[str, Any]
+
+    @property
+    def zero_stage(self) -> int:
+        if self.cls == "LowLevelZeroPlugin":
+            return int(self.kwargs["stage"])
+        if self.cls == "GeminiPlugin":
+            return 3
+        if self.cls == "HybridParallelPlugin":
+            return int(self.kwargs["zero_stage"])
+        return 0
+
+
+@dataclass(frozen=True)
+class ColossalOptions:
+    auto_plugin: dict[str, str]
+    plugins: dict[str, dict[str, Any]]
+    optimizer: str = "hybrid_adam"
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    initial_scale: float = 2.0**16
+    critic_from_rm: bool = True
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    ppo: PPOOptions = field(default_factory=PPOOptions)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ColossalOptions:
+        data = dict(data)
+        try:
+            options = cls(
+                **{
+                    **data,
+                    "auto_plugin": dict(data["auto_plugin"]),
+                    "plugins": {k: dict(v) for k, v in data["plugins"].items()},
+                    "betas": tuple(data.get("betas", (0.9, 0.95))),
+                    "lora": LoraOptions(**dict(data.get("lora", {}))),
+                    "ppo": PPOOptions(**dict(data.get("ppo", {}))),
+                }
+            )
+        except (TypeError, KeyError) as err:
+            raise SpecError(f"framework (colossalai): {err}") from None
+        if options.optimizer not in OPTIMIZERS:
+            raise SpecError(
+                f"framework.optimizer={options.optimizer!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}"
+            )
+        if options.lora.train_bias not in LORA_BIAS:
+            raise SpecError(
+                f"framework.lora.train_bias={options.lora.train_bias!r} is not allowed; "
+                f"choose one of: {', '.join(LORA_BIAS)}"
+            )
+        if options.ppo.logits_forward_batch_size < 1:
+            raise SpecError(f"framework.ppo.logits_forward_batch_size={options.ppo.logits_forward_batch_size} "
+                            "must be >= 1")
+        if options.ppo.num_update_steps < 1:
+            raise SpecError(f"framework.ppo.num_update_steps={options.ppo.num_update_steps} must be >= 1")
+        for name, plugin in options.plugins.items():
+            if plugin.get("class") not in PLUGIN_CLASSES:
+                raise SpecError(
+                    f"framework.plugins.{name}.class={plugin.get('class')!r} is not allowed; "
+                    f"choose one of: {', '.join(PLUGIN_CLASSES)}"
+                )
+        return options
+
+    def resolve_plugin(self, spec: RunSpec) -> PluginChoice:
+        """The plugin this run boosts with, from `plugin` (or the auto_plugin table) and the common knobs."""
+        name = spec.plugin
+        if name == "auto":
+            name = "3d" if spec.tp > 1 or spec.pp > 1 else self._auto_name(spec)
+        if name not in self.plugins:
+            allowed = ", ".join(["auto", *self.plugins])
+            raise SpecError(f"plugin={spec.plugin!r} is not allowed; choose one of: {allowed}")
+        kwargs = dict(self.plugins[name])
+        cls = kwargs.pop("class")
+        if cls != "HybridParallelPlugin" and (spec.tp > 1 or spec.pp > 1):
+            raise SpecError(f"tp={spec.tp}/pp={spec.pp} need plugin=3d (HybridParallelPlugin), not plugin={name}")
+        if cls == "HybridParallelPlugin":
+            if spec.zero > 2:
+                raise SpecError(f"plugin={name} takes zero 0, 1 or 2 as its zero_stage, not zero={spec.zero}")
+            kwargs.update(tp_size=spec.tp, pp_size=spec.pp, zero_stage=spec.zero, cpu_offload=spec.offload)
+        choice = PluginChoice(name=name, cls=cls, kwargs=kwargs)
+        if choice.zero_stage != spec.zero:
+            raise SpecError(
+                f"plugin={name} is ZeRO stage {choice.zero_stage} but zero={spec.zero}; set zero={choice.zero_stage} "
+                "or plugin=auto"
+            )
+        if spec.offload and not (kwargs.get("cpu_offload") or kwargs.get("placement_policy") == "auto"):
+            raise UnsupportedError(f"plugin={name} has no CPU offload; offload=true needs zero1_cpu, zero2_cpu, "
+                                   "gemini_auto or 3d with zero >= 1")
+        return choice
+
+    def _auto_name(self, spec: RunSpec) -> str:
+        key = f"z{spec.zero}"
+        if spec.precision != "fp32" and f"{key}_mixed" in self.auto_plugin:
+            key += "_mixed"
+        if spec.offload:
+            key += "_offload"
+        if key not in self.auto_plugin:
+            raise UnsupportedError(f"no colossalai plugin for zero={spec.zero} precision={spec.precision} "
+                                   f"offload={spec.offload} (framework.auto_plugin has no {key!r})")
+        return self.auto_plugin[key]
+
+    @classmethod
+    def validate(cls, spec: RunSpec) -> ColossalOptions:
+        options = cls.from_dict(spec.framework_options)
+        plugin = options.resolve_plugin(spec)
+        if plugin.cls == "GeminiPlugin" and spec.lora:
+            raise UnsupportedError("ColossalChat rejects LoRA with Gemini: 'LoRA is not supported in GeminiPlugin'")
+        if plugin.cls == "GeminiPlugin" and spec.precision == "fp32":
+            raise UnsupportedError("GeminiPlugin trains in fp16 or bf16 only (precision=fp32 given)")
+        if plugin.cls == "HybridParallelPlugin":
+            if spec.zero > 0 and spec.precision == "fp32":
+                raise UnsupportedError("HybridParallelPlugin with zero_stage > 0 needs precision bf16 or fp16 "
+                                       "(colossalai asserts it)")
+            if spec.lora and (spec.tp > 1 or spec.pp > 1):
+                raise UnsupportedError(f"LoRA with tp={spec.tp} pp={spec.pp}: colossalai's HybridParallelPlugin "
+                                       "supports LoRA only at tp=1, and its pipeline policy cannot split a LoRA model")
+            if spec.pp > 1 and any(stage != "sft" for stage in spec.stages):
+                raise UnsupportedError(
+                    f"pp={spec.pp} in {'/'.join(spec.stages)}: ColossalChat runs a pipeline only in SFT "
+                    "(booster.execute_pipeline); its RM and PPO trainers call the models directly"
+                )
+        return options

@@ -1,0 +1,164 @@
+"""The ColossalChat adapter on the real colossalai Booster, tiny model, CPU (or GPU where present).
+
+Each test is a real run in its own process tree; assertions are on what the record measured. The
+first run on a fresh machine builds ColossalAI's CPU Adam kernel once (about 45 s, cached).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench.config import compose
+from bench.data import SyntheticData
+from bench.models import build_causal_lm
+from bench.spec import spec_from_config
+
+pytest.importorskip("colossalai", reason="colossalai is installed by scripts/setup.sh")
+
+CAI = "framework=colossalai"
+ON_CPU = not torch.cuda.is_available()
+
+pytestmark = pytest.mark.engine
+
+
+def stage_statuses(record: dict) -> dict[str, str]:
+    return {name: stage["status"] for name, stage in record["stages"].items()}
+
+
+def errors(record: dict) -> dict:
+    return {name: stage["error"] for name, stage in record["stages"].items() if stage["error"]}
+
+
+def plain_pytorch_sft_losses(overrides: list[str], steps: int) -> list[float]:
+    """The same model, data, seed and optimizer settings in a bare PyTorch loop."""
+    spec = spec_from_config(compose(overrides))
+    options = spec.framework_options
+    torch.manual_seed(spec.seed)
+    model = build_causal_lm(spec.model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.stage_lr("sft"), betas=tuple(options["betas"]),
+                                  weight_decay=options["weight_decay"])
+    data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed, rank=0)
+    losses = []
+    for step in range(steps):
+        batch = data.sft(step)
+        loss = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
+@pytest.mark.skipif(not ON_CPU, reason="the ddp plugin on a GPU runs TF32/cuBLAS kernels: not bitwise a CPU loop")
+def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop(run_bench):
+    overrides = [CAI, "stage=sft", "steps=6", "launcher.device=cpu"]
+    record = run_bench(*overrides)
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "ok", sft["error"]
+    engine = sft["learning"]["loss_curve"]
+    plain = plain_pytorch_sft_losses(overrides, 6)
+    assert engine[-1] < engine[0]
+    assert engine == pytest.approx(plain, abs=1e-4), (engine, plain)
+    notes = " ".join(sft["notes"])
+    assert "TorchDDPPlugin" in notes and "HybridAdam" in notes and "P7" in notes
+
+
+# Every zero stage with both precisions, and LoRA on and off for each stage and each precision.
+PIPELINE_CELLS = [
+    ("0", "fp32", "0"), ("0", "bf16", "8"),
+    ("1", "fp32", "8"), ("1", "bf16", "0"),
+    ("2", "fp32", "0"), ("2", "bf16", "8"),
+]
+
+
+@pytest.mark.parametrize(("zero", "precision", "lora"), PIPELINE_CELLS)
+def test_sft_rm_ppo_pipeline_runs_on_each_plugin(run_bench, zero, precision, lora):
+    record = run_bench(CAI, "stage=pipeline", f"zero={zero}", f"precision={precision}", f"lora={lora}",
+                       "steps=3", "warmup_steps=1")
+    assert stage_statuses(record) == {"sft": "ok", "rm": "ok", "ppo": "ok"}, errors(record)
+    expected = {"0": "ddp" if precision == "fp32" else "3d", "1": "zero1", "2": "zero2"}[zero]
+    ppo = record["stages"]["ppo"]
+    assert ppo["notes"][0].startswith(f"plugin: {expected} = ")
+    assert set(ppo["params"]) == {"actor", "critic", "ref", "reward"}
+    state = ppo["model_state"]
+    assert state["ref"]["optimizer_state_bytes_per_rank"] == [0] == state["reward"]["optimizer_state_bytes_per_rank"]
+    assert state["actor"]["optimizer_state_bytes_per_rank"][0] > 0
+    params = record["stages"]["sft"]["params"]["actor"]
+    if lora == "0":
+        assert params["trainable"] == params["total"]
+    else:
+        assert 0 < params["trainable"] < params["total"] / 5
+    phases = ppo["memory"]["phases"]
+    assert set(phases) == {"init", "onload", "generation", "experience", "offload", "training"}
+    for stage in record["stages"].values():
+        assert stage["stability"]["classification"] == "stable"
+
+
+def test_ppo_default_config_raises_the_reward_over_30_steps(run_bench):
+    record = run_bench(CAI, "steps=30")
+    ppo = record["stages"]["ppo"]
+    learning = ppo["learning"]
+    assert learning["reward_window_steps"] == 10
+    assert learning["reward_end"] > learning["reward_start"], learning["reward_curve"]
+    # The reference and reward models were shuttled every step; the time is its own phase.
+    shuttle = ppo["throughput"]["phases"]["offload"]
+    assert shuttle["time_s_per_step"] > 0 and "bytes_moved_per_step_rank0" in shuttle
+    assert ppo["throughput"]["share_of_step_time"]["onload"] > 0
+
+
+def test_tensor_parallel_two_ranks_runs_every_stage(run_bench):
+    record = run_bench(CAI, "stage=pipeline", "plugin=3d", "tp=2", "precision=bf16", "launcher.nproc=2",
+                       "steps=3", "warmup_steps=1")
+    assert stage_statuses(record) == {"sft": "ok", "rm": "ok", "ppo": "ok"}, errors(record)
+    sft = record["stages"]["sft"]
+    assert sft["notes"][0].startswith("plugin: 3d = HybridParallelPlugin(") and "tp_size=2" in sft["notes"][0]
+    # Each rank holds about half of the transformer's weights.
+    held = sft["model_state"]["actor"]["param_bytes_per_rank"]
+    full = sft["params"]["actor"]["total"] * 2  # bf16 working weights
+    assert all(0.4 * full < h < 0.75 * full for h in held), (held, full)
+    generation = record["stages"]["ppo"]["throughput"]["phases"]["generation"]
+    # Both TP ranks work on one batch: the global rate counts it once.
+    assert generation["tokens_per_s_global"] <= 1.01 * max(generation["tokens_per_s_per_rank"])
+
+
+def test_pipeline_parallel_two_ranks_trains_sft_and_refuses_ppo(run_bench):
+    record = run_bench(CAI, "stage=sft", "pp=2", "launcher.nproc=2", "steps=4", "warmup_steps=1")
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "ok", sft["error"]
+    curve = sft["learning"]["loss_curve"]
+    assert curve[-1] < curve[0], curve
+    refused = run_bench(CAI, "stage=ppo", "pp=2", "launcher.nproc=2", name="ppo")
+    assert refused["status"] == "unsupported"
+    assert "pp=2" in refused["error"]["message"] and "execute_pipeline" in refused["error"]["message"]
+
+
+@pytest.mark.skipif(not ON_CPU, reason="on a GPU Gemini is supported")
+def test_zero3_is_unsupported_on_the_cpu_and_names_gemini(run_bench):
+    record = run_bench(CAI, "stage=sft", "zero=3", "precision=bf16")
+    assert record["status"] == "unsupported"
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "unsupported"
+    assert "GeminiPlugin" in sft["error"]["message"] and "CUDA" in sft["error"]["message"]
+
+
+def test_zero2_on_two_ranks_halves_optimizer_state_per_rank(run_bench):
+    common = (CAI, "stage=sft", "zero=2", "precision=bf16", "steps=3", "warmup_steps=1")
+    one = run_bench(*common, name="one")
+    two = run_bench(*common, "launcher.nproc=2", name="two")
+    state_one = one["stages"]["sft"]["model_state"]["actor"]
+    state_two = two["stages"]["sft"]["model_state"]["actor"]
+    single = state_one["optimizer_state_bytes_per_rank"][0]
+    assert single > 0
+    for per_rank in state_two["optimizer_state_bytes_per_rank"]:
+        assert per_rank == pytest.approx(single / 2, rel=0.02), (single, state_two)
+    # ZeRO-2 shards optimizer state, not the working weights.
+    assert state_two["param_bytes_per_rank"] == state_one["param_bytes_per_rank"] * 2
+
+
+def test_fp16_zero2_tracks_the_dynamic_loss_scale(run_bench):
+    record = run_bench(CAI, "stage=sft", "zero=2", "precision=fp16", "steps=4", "warmup_steps=1")
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "ok", sft["error"]
+    trajectory = sft["stability"]["loss_scale_trajectory"]["actor"]
+    assert trajectory and trajectory[0][1] <= 2.0**16
