@@ -46,7 +46,7 @@ def plain_pytorch_sft_losses(overrides: list[str], steps: int) -> list[float]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(loss))
+        losses.append(loss.item())
     return losses
 
 
@@ -122,15 +122,16 @@ def test_tensor_parallel_two_ranks_runs_every_stage(run_bench):
     assert generation["tokens_per_s_global"] <= 1.01 * max(generation["tokens_per_s_per_rank"])
 
 
-def test_pipeline_parallel_two_ranks_trains_sft_and_refuses_ppo(run_bench):
+def test_pipeline_parallel_two_ranks_trains_sft(run_bench):
     record = run_bench(CAI, "stage=sft", "pp=2", "launcher.nproc=2", "steps=4", "warmup_steps=1")
     sft = record["stages"]["sft"]
     assert sft["status"] == "ok", sft["error"]
     curve = sft["learning"]["loss_curve"]
     assert curve[-1] < curve[0], curve
-    refused = run_bench(CAI, "stage=ppo", "pp=2", "launcher.nproc=2", name="ppo")
-    assert refused["status"] == "unsupported"
-    assert "pp=2" in refused["error"]["message"] and "execute_pipeline" in refused["error"]["message"]
+    assert "pp_size=2" in sft["notes"][0]
+    # Each stage holds part of the layers (embeddings and head sit with the first and last stage).
+    held = sft["model_state"]["actor"]["param_bytes_per_rank"]
+    assert max(held) < 0.8 * sft["params"]["actor"]["total"] * 4, held
 
 
 @pytest.mark.skipif(not ON_CPU, reason="on a GPU Gemini is supported")

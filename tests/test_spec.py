@@ -37,6 +37,9 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("framework.optimizer=sgd", ["framework.optimizer='sgd'", "fused_adam, torch_adamw"]),
         ("prompt_len=120", ["exceeds model.positions=128"]),
         ("steps=2", ["leaves no measured step after warmup_steps=2"]),
+        ("tp=3", ["tp=3 x pp=1 must divide launcher.nproc=1"]),
+        ("pp=0", ["pp=0", ">= 1"]),
+        ("plugin=3d", ["plugin='3d' is a colossalai knob"]),
     ],
 )
 def test_bad_values_are_named_with_the_allowed_ones(override, expected):
@@ -52,6 +55,60 @@ def test_unsupported_combinations_fail_before_launch():
     with pytest.raises(UnsupportedError, match="hybrid_engine"):
         spec("framework.hybrid_engine=true", "offload=true", "zero=2", "lora=0")
     assert spec("framework.hybrid_engine=true", "offload=true", "zero=2", "lora=8").lora == 8
+
+
+CAI = "framework=colossalai"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([CAI, "plugin=zero2"], ["plugin=zero2 is ZeRO stage 2 but zero=0"]),
+        ([CAI, "plugin=zero9"], ["plugin='zero9' is not allowed", "auto, ddp, zero1", "3d"]),
+        ([CAI, "plugin=3d", "zero=3"], ["takes zero 0, 1 or 2"]),
+        ([CAI, "plugin=ddp", "tp=2", "launcher.nproc=2"], ["need plugin=3d"]),
+        ([CAI, "framework.optimizer=sgd"], ["framework.optimizer='sgd'", "hybrid_adam, torch_adamw"]),
+        ([CAI, "framework.lora.train_bias=some"], ["train_bias='some'", "none, all, lora"]),
+    ],
+)
+def test_colossalai_plugin_choice_is_validated(overrides, expected):
+    with pytest.raises(SpecError) as err:
+        spec(*overrides)
+    assert not isinstance(err.value, UnsupportedError)
+    for text in expected:
+        assert text in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([CAI, "stage=ppo", "pp=2", "launcher.nproc=2"], "runs a pipeline only in SFT"),
+        ([CAI, "stage=sft", "tp=2", "lora=8", "launcher.nproc=2"], "supports LoRA only at tp=1"),
+        ([CAI, "zero=3", "lora=8", "precision=bf16"], "LoRA is not supported in GeminiPlugin"),
+        ([CAI, "plugin=3d", "zero=1"], "needs precision bf16 or fp16"),
+        ([CAI, "zero=0", "offload=true", "plugin=ddp"], "offload=true needs zero >= 1"),
+        (["framework=dschat", "tp=2", "launcher.nproc=2"], "dschat trains without tensor or pipeline parallelism"),
+    ],
+)
+def test_colossalai_layouts_the_framework_cannot_run_are_unsupported(overrides, expected):
+    with pytest.raises(UnsupportedError, match=expected):
+        spec(*overrides)
+
+
+def test_colossalai_auto_plugin_follows_the_config_table():
+    from adapters.colossalai.options import ColossalOptions
+
+    def plugin(*overrides: str) -> tuple[str, str]:
+        s = spec(CAI, *overrides)
+        choice = ColossalOptions.from_dict(s.framework_options).resolve_plugin(s)
+        return choice.name, choice.cls
+
+    assert plugin() == ("ddp", "TorchDDPPlugin")
+    assert plugin("precision=bf16") == ("3d", "HybridParallelPlugin")
+    assert plugin("zero=1") == ("zero1", "LowLevelZeroPlugin")
+    assert plugin("zero=2", "offload=true") == ("zero2_cpu", "LowLevelZeroPlugin")
+    assert plugin("zero=3", "precision=bf16") == ("gemini", "GeminiPlugin")
+    assert plugin("tp=2", "launcher.nproc=2") == ("3d", "HybridParallelPlugin")
 
 
 @pytest.mark.parametrize("override", ["zero=5", "precision=fp8", "lora=-1"])

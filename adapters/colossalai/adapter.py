@@ -209,6 +209,11 @@ class ColossalAdapter(Adapter):
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
         source = "the RM checkpoint" if critic_ckpt else "the SFT backbone with a fresh value head"
         self._notes.append(f"critic starts from {source}")
+        self._notes.append(
+            f"PPO: {self.options.ppo.num_update_steps} update pass(es) per rollout (coati's default is 5); "
+            "positions skip left padding in every forward; the RM scores the stop token and the critic uses the "
+            "rollout's layout for old and new values (coati: one pad late, and misaligned by prompt padding)"
+        )
 
     # ----------------------------------------------------------------- stepping
     def _mixin(self, role: str):
