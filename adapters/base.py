@@ -97,8 +97,17 @@ class ModelState:
 class Adapter(ABC):
     """One framework's RLHF pipeline structure on its real engine library."""
 
-    #: Which roles' parameters each phase multiplies through (for the shared FLOPs formula).
-    phase_roles: dict[str, dict[str, tuple[str, ...]]] = {}
+    #: Which roles' parameters each phase multiplies through (for the shared FLOPs formula). The default
+    #: is the four-model PPO layout (separate actor, reference, critic and reward models).
+    phase_roles: dict[str, dict[str, tuple[str, ...]]] = {
+        "sft": {"training": ("actor",)},
+        "rm": {"training": ("reward",), "evaluation": ("reward",)},
+        "ppo": {
+            "generation": ("actor",),
+            "experience": ("actor", "ref", "critic", "reward"),
+            "training": ("actor", "critic"),
+        },
+    }
 
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         self.spec = spec

@@ -252,6 +252,8 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
             reward_end=_mean(rewards[-window:]),
             preferred_fraction_start=_mean([s.get("preferred_fraction") for s in steps[:window]]),
             preferred_fraction_end=_mean([s.get("preferred_fraction") for s in steps[-window:]]),
+            generated_tokens_start=_mean([s.get("generated_tokens") for s in steps[:window]]),
+            generated_tokens_end=_mean([s.get("generated_tokens") for s in steps[-window:]]),
         )
     learning["aggregate"] = "mean over ranks per step"
     return learning

@@ -61,6 +61,8 @@ def stage_summaries(record: dict[str, Any]) -> list[str]:
         if "reward_start" in learning:
             start, end = _fmt(learning["reward_start"], digits=3), _fmt(learning["reward_end"], digits=3)
             parts.append(f"reward {start} -> {end} (mean of first/last {learning['reward_window_steps']} steps)")
+            parts.append(f"generated tokens per step {_fmt(learning.get('generated_tokens_start'))} -> "
+                         f"{_fmt(learning.get('generated_tokens_end'))}")
         if "accuracy_end" in learning:
             parts.append(f"RM accuracy {_fmt(learning['accuracy_start'], digits=2)} -> "
                          f"{_fmt(learning['accuracy_end'], digits=2)}")

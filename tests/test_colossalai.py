@@ -14,8 +14,6 @@ from bench.data import SyntheticData
 from bench.models import build_causal_lm
 from bench.spec import spec_from_config
 
-pytest.importorskip("colossalai", reason="colossalai is installed by scripts/setup.sh")
-
 CAI = "framework=colossalai"
 ON_CPU = not torch.cuda.is_available()
 

@@ -86,6 +86,7 @@ def test_colossalai_plugin_choice_is_validated(overrides, expected):
         ([CAI, "stage=sft", "tp=2", "lora=8", "launcher.nproc=2"], "supports LoRA only at tp=1"),
         ([CAI, "zero=3", "lora=8", "precision=bf16"], "LoRA is not supported in GeminiPlugin"),
         ([CAI, "plugin=3d", "zero=1"], "needs precision bf16 or fp16"),
+        ([CAI, "plugin=ddp", "precision=bf16"], "would silently train fp32"),
         ([CAI, "zero=0", "offload=true", "plugin=ddp"], "offload=true needs zero >= 1"),
         (["framework=dschat", "tp=2", "launcher.nproc=2"], "dschat trains without tensor or pipeline parallelism"),
     ],

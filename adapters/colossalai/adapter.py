@@ -30,6 +30,7 @@ from adapters.colossalai.lora import convert_to_lora, merged_state_dict
 from adapters.colossalai.models import Critic, RewardModel, build_backbone
 from adapters.colossalai.options import ColossalOptions, PluginChoice
 from adapters.rl_math import gather_log_probs, masked_mean, position_ids
+from adapters.state_bytes import model_state
 from bench.data import EOS, PAD, PreferenceBatch, PromptBatch, SFTBatch
 from bench.models import ParamCounts, build_causal_lm, count_params
 from bench.spec import RunSpec, UnsupportedError
@@ -42,16 +43,6 @@ GEMINI_ON_CPU = (
 
 
 class ColossalAdapter(Adapter):
-    phase_roles = {
-        "sft": {"training": ("actor",)},
-        "rm": {"training": ("reward",), "evaluation": ("reward",)},
-        "ppo": {
-            "generation": ("actor",),
-            "experience": ("actor", "ref", "critic", "reward"),
-            "training": ("actor", "critic"),
-        },
-    }
-
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         super().__init__(spec, ctx)
         self.options = ColossalOptions.validate(spec)
@@ -447,7 +438,9 @@ class ColossalAdapter(Adapter):
         return dict(self._counts)
 
     def model_state(self) -> dict[str, ModelState]:
-        return {role: _model_state(model, self.optimizers.get(role)) for role, model in self.models.items()}
+        # Module parameters are what this rank holds (TP shards under 3d; ZeRO 1/2 shard optimizer state only).
+        return {role: model_state(model.parameters(), _inner_optimizer(self.optimizers.get(role)))
+                for role, model in self.models.items()}
 
     def notes(self) -> list[str]:
         return list(self._notes)
@@ -505,33 +498,7 @@ def _value_loss(values, old_values, advantages, mask, clip: float) -> torch.Tens
     return 0.5 * (loss * mask).sum() / mask.sum()
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    while hasattr(optimizer, "optim"):
+def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    while hasattr(optimizer, "optim"):  # colossalai's OptimizerWrapper chain
         optimizer = optimizer.optim
     return optimizer
-
-
-def _model_state(model: torch.nn.Module, optimizer: Any) -> ModelState:
-    """Bytes this rank holds: the module's parameters (TP shards under 3d); optimizer states plus master
-    copies that are not the module's own tensors (ZeRO shards them)."""
-    module_ptrs = set()
-    param_bytes = trainable = 0
-    for param in model.parameters():
-        param_bytes += _tensor_bytes(param.data)
-        if param.requires_grad:
-            trainable += _tensor_bytes(param.data)
-        module_ptrs.add(param.data.data_ptr())
-    optimizer_bytes = 0
-    if optimizer is not None:
-        inner = _inner_optimizer(optimizer)
-        for state in inner.state.values():
-            optimizer_bytes += sum(_tensor_bytes(v) for v in state.values() if torch.is_tensor(v) and v.dim())
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if param.data.data_ptr() not in module_ptrs and param.numel():
-                    optimizer_bytes += _tensor_bytes(param.data)
-    return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable)

@@ -151,6 +151,11 @@ class ColossalOptions:
     def validate(cls, spec: RunSpec) -> ColossalOptions:
         options = cls.from_dict(spec.framework_options)
         plugin = options.resolve_plugin(spec)
+        if plugin.cls == "TorchDDPPlugin" and spec.precision != "fp32":
+            raise UnsupportedError(
+                f"plugin={plugin.name} (TorchDDPPlugin) has no precision control and colossalai 0.5.0's Booster bf16 "
+                f"is a stub, so precision={spec.precision} would silently train fp32; use plugin=auto (3d at tp=1)"
+            )
         if plugin.cls == "GeminiPlugin" and spec.lora:
             raise UnsupportedError("ColossalChat rejects LoRA with Gemini: 'LoRA is not supported in GeminiPlugin'")
         if plugin.cls == "GeminiPlugin" and spec.precision == "fp32":

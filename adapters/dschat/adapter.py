@@ -22,6 +22,7 @@ from adapters.dschat.lora import convert_to_lora, fused_state_dict, only_optimiz
 from adapters.dschat.options import DSChatOptions
 from adapters.dschat.reward_model import RewardModel
 from adapters.rl_math import gae, gather_log_probs, masked_mean, policy_loss, position_ids, value_loss
+from adapters.state_bytes import model_state, tensor_bytes
 from bench.data import EOS, PAD, PreferenceBatch, PromptBatch, SFTBatch
 from bench.models import ParamCounts, build_causal_lm, count_params, gpt2_config
 from bench.spec import RunSpec
@@ -30,16 +31,6 @@ _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
 
 
 class DSChatAdapter(Adapter):
-    phase_roles = {
-        "sft": {"training": ("actor",)},
-        "rm": {"training": ("reward",), "evaluation": ("reward",)},
-        "ppo": {
-            "generation": ("actor",),
-            "experience": ("actor", "ref", "critic", "reward"),
-            "training": ("actor", "critic"),
-        },
-    }
-
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         super().__init__(spec, ctx)
         if ctx.device.type == "cpu":  # skip DeepSpeed's accelerator probing and its warning
@@ -401,29 +392,12 @@ def _local_grad_norm(engine) -> float | None:
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+def _held_bytes(param: torch.nn.Parameter) -> int:
+    """A ZeRO-3 partition (`ds_tensor`) plus any gathered or persistent copy."""
+    return tensor_bytes(param.data) + (tensor_bytes(param.ds_tensor) if hasattr(param, "ds_tensor") else 0)
 
 
 def _engine_state(engine) -> ModelState:
-    """Bytes held by this rank: ZeRO-3 partitions (`ds_tensor`) plus any gathered/persistent copy;
-    optimizer states plus fp32 master copies that are not the module's own parameters."""
-    module_ptrs = set()
-    param_bytes = trainable = 0
-    for param in engine.module.parameters():
-        held = _tensor_bytes(param.data) + (_tensor_bytes(param.ds_tensor) if hasattr(param, "ds_tensor") else 0)
-        param_bytes += held
-        if param.requires_grad:
-            trainable += held
-        module_ptrs.add(param.data.data_ptr())
-    optimizer_bytes = 0
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", wrapper) if wrapper is not None else None
-    if inner is not None and hasattr(inner, "state"):
-        for state in inner.state.values():
-            optimizer_bytes += sum(_tensor_bytes(v) for v in state.values() if torch.is_tensor(v) and v.dim())
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if param.data.data_ptr() not in module_ptrs and param.numel():
-                    optimizer_bytes += _tensor_bytes(param.data)
-    return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable)
+    return model_state(engine.module.parameters(), inner, held=_held_bytes)

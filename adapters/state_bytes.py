@@ -1,0 +1,36 @@
+"""Bytes of parameters and optimizer state a rank holds, read from the engine's own tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from adapters.base import ModelState
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def model_state(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
+                held: Callable[[torch.nn.Parameter], int] = lambda p: tensor_bytes(p.data)) -> ModelState:
+    """`held(param)` is what this rank keeps for one module parameter (a ZeRO-3 partition adds to it).
+    Optimizer bytes are its state tensors plus master copies that are not the module's own tensors (the
+    fp32 copies of mixed precision, ZeRO's shards); `optimizer` is the innermost torch optimizer."""
+    module_ptrs = set()
+    param_bytes = trainable = 0
+    for param in parameters:
+        param_bytes += held(param)
+        if param.requires_grad:
+            trainable += held(param)
+        module_ptrs.add(param.data.data_ptr())
+    optimizer_bytes = 0
+    if optimizer is not None and hasattr(optimizer, "state"):
+        for state in optimizer.state.values():
+            optimizer_bytes += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v) and v.dim())
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.data.data_ptr() not in module_ptrs and param.numel():
+                    optimizer_bytes += tensor_bytes(param.data)
+    return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable)
