@@ -26,6 +26,10 @@ _ENTRIES: dict[str, AdapterEntry] = {
         options="adapters.colossalai.options:ColossalOptions",
         adapter="adapters.colossalai.adapter:ColossalAdapter",
     ),
+    "trlx": AdapterEntry(
+        options="adapters.trlx.options:TrlxOptions",
+        adapter="adapters.trlx.adapter:TrlxAdapter",
+    ),
 }
 
 

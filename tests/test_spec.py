@@ -69,9 +69,12 @@ CAI = "framework=colossalai"
         ([CAI, "plugin=ddp", "tp=2", "launcher.nproc=2"], ["need plugin=3d"]),
         ([CAI, "framework.optimizer=sgd"], ["framework.optimizer='sgd'", "hybrid_adam, torch_adamw"]),
         ([CAI, "framework.lora.train_bias=some"], ["train_bias='some'", "none, all, lora"]),
+        (["framework=trlx", "framework.reference=copy"], ["framework.reference='copy'", "auto, hydra, full, peft"]),
+        (["framework=trlx", "framework.num_layers_unfrozen=4"], ["num_layers_unfrozen=4", "between 1 and 3"]),
+        (["framework=trlx", "framework.ppo.scale_reward=std"], ["scale_reward='std'", "ignored, running, ref"]),
     ],
 )
-def test_colossalai_plugin_choice_is_validated(overrides, expected):
+def test_framework_choices_are_validated(overrides, expected):
     with pytest.raises(SpecError) as err:
         spec(*overrides)
     assert not isinstance(err.value, UnsupportedError)
@@ -89,9 +92,12 @@ def test_colossalai_plugin_choice_is_validated(overrides, expected):
         ([CAI, "plugin=ddp", "precision=bf16"], "would silently train fp32"),
         ([CAI, "zero=0", "offload=true", "plugin=ddp"], "offload=true needs zero >= 1"),
         (["framework=dschat", "tp=2", "launcher.nproc=2"], "dschat trains without tensor or pipeline parallelism"),
+        (["framework=trlx", "tp=2", "launcher.nproc=2"], "no tensor or pipeline parallelism"),
+        (["framework=trlx", "lora=8", "framework.reference=hydra"], "disables the adapters for the reference"),
+        (["framework=trlx", "framework.reference=peft"], "needs lora > 0"),
     ],
 )
-def test_colossalai_layouts_the_framework_cannot_run_are_unsupported(overrides, expected):
+def test_layouts_a_framework_cannot_run_are_unsupported(overrides, expected):
     with pytest.raises(UnsupportedError, match=expected):
         spec(*overrides)
 

@@ -29,7 +29,7 @@ from adapters.colossalai import generation
 from adapters.colossalai.lora import convert_to_lora, merged_state_dict
 from adapters.colossalai.models import Critic, RewardModel, build_backbone
 from adapters.colossalai.options import ColossalOptions, PluginChoice
-from adapters.rl_math import gather_log_probs, masked_mean, position_ids
+from adapters.rl_math import gae, gather_log_probs, masked_mean, position_ids
 from adapters.state_bytes import model_state
 from bench.data import EOS, PAD, PreferenceBatch, PromptBatch, SFTBatch
 from bench.models import ParamCounts, build_causal_lm, count_params
@@ -366,7 +366,7 @@ class ColossalAdapter(Adapter):
         log_ratio = log_probs - ref_log_probs
         rewards = -ppo.kl_coef * log_ratio * action_mask_f
         rewards += score.clamp(-ppo.reward_clip, ppo.reward_clip)[:, None] * action_mask_f  # every action token
-        advantages = _gae(values, rewards, ppo.gamma, ppo.lam)
+        advantages, _ = gae(values, rewards, 0, ppo.gamma, ppo.lam)  # over every action position
         payload = {"seq": seq, "mask": mask, "action_mask": action_mask_f, "log_probs": log_probs,
                    "values": values, "advantages": advantages}
         return Experience(
@@ -463,18 +463,6 @@ def _right_padded(seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, 
     """Each row's real tokens moved to the front, as coati converts rollouts for the reward model."""
     order = torch.argsort((mask == 0).long(), dim=1, stable=True)
     return seq.gather(1, order), mask.gather(1, order)
-
-
-def _gae(values: torch.Tensor, rewards: torch.Tensor, gamma: float, lam: float) -> torch.Tensor:
-    """NaiveExperienceMaker.calculate_advantage: GAE over every action position, bootstrapping 0 at the end."""
-    last = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(values)
-    for t in reversed(range(values.shape[1])):
-        next_value = values[:, t + 1] if t + 1 < values.shape[1] else 0.0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = delta + gamma * lam * last
-        advantages[:, t] = last
-    return advantages
 
 
 def _masked_row_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,95 @@
+"""Trlx's knobs, validated before launch (imports no framework)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.spec import RunSpec, SpecError, UnsupportedError
+
+REFERENCES = ("auto", "hydra", "full", "peft")
+SCALE_REWARD = ("ignored", "running", "ref")
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    alpha: float = 32.0
+    dropout: float = 0.1
+
+
+@dataclass(frozen=True)
+class PPOOptions:
+    init_kl_coef: float = 0.001
+    target: float | None = None
+    horizon: int = 10000
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange: float = 0.2
+    cliprange_value: float = 0.2
+    vf_coef: float = 1.0
+    scale_reward: str = "running"
+    cliprange_reward: float = 10.0
+    ppo_epochs: int = 4
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class TrlxOptions:
+    reference: str = "auto"
+    num_layers_unfrozen: int = 2
+    optimizer: str = "adamw"
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 1e-6
+    lora: LoraOptions = field(default_factory=LoraOptions)
+    ppo: PPOOptions = field(default_factory=PPOOptions)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrlxOptions:
+        data = dict(data)
+        try:
+            options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))),
+                             "lora": LoraOptions(**dict(data.get("lora", {}))),
+                             "ppo": PPOOptions(**dict(data.get("ppo", {})))})
+        except TypeError as err:
+            raise SpecError(f"framework (trlx): {err}") from None
+        if options.reference not in REFERENCES:
+            raise SpecError(f"framework.reference={options.reference!r} is not allowed; "
+                            f"choose one of: {', '.join(REFERENCES)}")
+        if options.optimizer != "adamw":
+            raise SpecError(f"framework.optimizer={options.optimizer!r} is not allowed; choose one of: adamw")
+        if options.ppo.scale_reward not in SCALE_REWARD:
+            raise SpecError(f"framework.ppo.scale_reward={options.ppo.scale_reward!r} is not allowed; "
+                            f"choose one of: {', '.join(SCALE_REWARD)}")
+        if options.ppo.ppo_epochs < 1:
+            raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
+        return options
+
+    def reference_mode(self, spec: RunSpec) -> str:
+        if self.reference == "auto":
+            return "peft" if spec.lora else "hydra"
+        return self.reference
+
+    @classmethod
+    def validate(cls, spec: RunSpec) -> TrlxOptions:
+        options = cls.from_dict(spec.framework_options)
+        if spec.plugin != "auto":
+            raise SpecError(f"plugin={spec.plugin!r} is a colossalai knob; trlx takes plugin=auto")
+        if spec.tp > 1 or spec.pp > 1:
+            raise UnsupportedError(f"trlx's accelerate trainers have no tensor or pipeline parallelism "
+                                   f"(tp={spec.tp}, pp={spec.pp}); only its NeMo trainers do")
+        mode = options.reference_mode(spec)
+        if mode == "peft" and not spec.lora:
+            raise UnsupportedError("framework.reference=peft needs lora > 0: the reference is the policy with its "
+                                   "LoRA adapters disabled")
+        if spec.lora and mode != "peft":
+            raise UnsupportedError(f"framework.reference={mode} with lora={spec.lora}: with peft trlx ignores "
+                                   "num_layers_unfrozen and disables the adapters for the reference (use peft)")
+        if mode == "hydra" and not 0 < options.num_layers_unfrozen < spec.model.layers:
+            raise SpecError(f"framework.num_layers_unfrozen={options.num_layers_unfrozen} must be between 1 and "
+                            f"{spec.model.layers - 1} for the hydra reference (model.layers={spec.model.layers})")
+        if spec.offload:
+            raise UnsupportedError("offload with trlx is not wired in this harness yet (accelerate's "
+                                   "offload_optimizer_device needs DeepSpeed's CPU Adam instead of trlx's AdamW)")
+        return options
