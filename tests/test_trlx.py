@@ -50,7 +50,7 @@ def test_hydra_reference_costs_less_memory_than_a_full_copy(run_bench):
     full = run_bench(*common, "framework.reference=full", name="full")["stages"]["ppo"]
     assert hydra["status"] == full["status"] == "ok"
     branch, copy = hydra["params"]["ref"]["total"], full["params"]["ref"]["total"]
-    assert branch < copy / 3, (branch, copy)
+    assert branch < copy / 2, (branch, copy)  # 2 of 6 blocks + final norm + LM head
     hydra_peak = hydra["memory"]["phases"]["experience"]["peak_bytes"]
     full_peak = full["memory"]["phases"]["experience"]["peak_bytes"]
     assert full_peak - hydra_peak > (copy - branch) * 4 * 0.8, (hydra_peak, full_peak)
