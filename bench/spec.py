@@ -28,6 +28,14 @@ class UnsupportedError(SpecError):
     """Every value is valid but the framework cannot run this combination."""
 
 
+def require_data_parallel_only(spec: RunSpec, framework: str, why: str) -> None:
+    """For frameworks whose trainers have no plugin choice and no tensor or pipeline parallelism."""
+    if spec.plugin != "auto":
+        raise SpecError(f"plugin={spec.plugin!r} is a colossalai knob; {framework} takes plugin=auto")
+    if spec.tp > 1 or spec.pp > 1:
+        raise UnsupportedError(f"{framework} {why} (tp={spec.tp}, pp={spec.pp})")
+
+
 def _choice(name: str, value: Any, allowed: tuple) -> Any:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)

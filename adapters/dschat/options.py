@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.spec import RunSpec, SpecError, UnsupportedError
+from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
 
 OPTIMIZERS = ("fused_adam", "torch_adamw")
 
@@ -56,13 +56,8 @@ class DSChatOptions:
     @classmethod
     def validate(cls, spec: RunSpec) -> DSChatOptions:
         options = cls.from_dict(spec.framework_options)
-        if spec.plugin != "auto":
-            raise SpecError(f"plugin={spec.plugin!r} is a colossalai knob; dschat takes plugin=auto")
-        if spec.tp > 1 or spec.pp > 1:
-            raise UnsupportedError(
-                f"dschat trains without tensor or pipeline parallelism (tp={spec.tp}, pp={spec.pp}); its only TP is "
-                "the Hybrid Engine's inference TP during generation"
-            )
+        require_data_parallel_only(spec, "dschat", "trains without tensor or pipeline parallelism; its only TP is "
+                                   "the Hybrid Engine's inference TP during generation")
         if (options.hybrid_engine and spec.offload and spec.zero == 2 and spec.lora == 0
                 and "ppo" in spec.stages):
             # DS-Chat's step-3 main.py refuses this exact combination with a ValueError.

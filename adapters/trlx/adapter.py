@@ -56,10 +56,12 @@ class TrlxAdapter(Adapter):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = spec.batch
             if spec.precision == "fp16":  # trlx PR #279: DeepSpeed's fp16 autocast broke its forward
                 plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": False}
-        # Without an accelerator Accelerate picks no process-group backend and stays single-process.
-        handlers = [InitProcessGroupKwargs(backend="gloo")] if ctx.device.type == "cpu" else []
+        on_cpu = ctx.device.type == "cpu"
+        # Without an accelerator Accelerate picks no process-group backend: DeepSpeed needs gloo named, and
+        # plain DDP is only built (MULTI_CPU) when Accelerate is told it runs on the CPU.
+        handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu else []
         self.accelerator = Accelerator(mixed_precision=MIXED_PRECISION[spec.precision], deepspeed_plugin=plugin,
-                                       kwargs_handlers=handlers, cpu=False)
+                                       kwargs_handlers=handlers, cpu=on_cpu and plugin is None)
         self.deepspeed = plugin is not None
         self.model: Any = None
         self.optimizer: Any = None

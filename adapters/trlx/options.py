@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.spec import RunSpec, SpecError, UnsupportedError
+from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
 
 REFERENCES = ("auto", "hydra", "full", "peft")
 SCALE_REWARD = ("ignored", "running", "ref")
@@ -67,18 +67,16 @@ class TrlxOptions:
         return options
 
     def reference_mode(self, spec: RunSpec) -> str:
+        """auto follows trlx: peft with LoRA, else a hydra branch, or a full copy at num_layers_unfrozen=-1."""
         if self.reference == "auto":
-            return "peft" if spec.lora else "hydra"
+            return "peft" if spec.lora else "full" if self.num_layers_unfrozen == -1 else "hydra"
         return self.reference
 
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:
         options = cls.from_dict(spec.framework_options)
-        if spec.plugin != "auto":
-            raise SpecError(f"plugin={spec.plugin!r} is a colossalai knob; trlx takes plugin=auto")
-        if spec.tp > 1 or spec.pp > 1:
-            raise UnsupportedError(f"trlx's accelerate trainers have no tensor or pipeline parallelism "
-                                   f"(tp={spec.tp}, pp={spec.pp}); only its NeMo trainers do")
+        require_data_parallel_only(spec, "trlx", "accelerate trainers have no tensor or pipeline parallelism; only "
+                                   "its NeMo trainers do")
         mode = options.reference_mode(spec)
         if mode == "peft" and not spec.lora:
             raise UnsupportedError("framework.reference=peft needs lora > 0: the reference is the policy with its "
@@ -88,7 +86,8 @@ class TrlxOptions:
                                    "num_layers_unfrozen and disables the adapters for the reference (use peft)")
         if mode == "hydra" and not 0 < options.num_layers_unfrozen < spec.model.layers:
             raise SpecError(f"framework.num_layers_unfrozen={options.num_layers_unfrozen} must be between 1 and "
-                            f"{spec.model.layers - 1} for the hydra reference (model.layers={spec.model.layers})")
+                            f"{spec.model.layers - 1} for the hydra reference (model.layers={spec.model.layers}); "
+                            "-1 trains every layer against a full reference copy")
         if spec.offload:
             raise UnsupportedError("offload with trlx is not wired in this harness yet (accelerate's "
                                    "offload_optimizer_device needs DeepSpeed's CPU Adam instead of trlx's AdamW)")
