@@ -14,7 +14,7 @@ import os
 from typing import Any
 
 from bench.launcher import launch_stage
-from bench.record import ResultRecord, StageRecord, stage_record, write_json
+from bench.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
 from bench.spec import LauncherSpec, RunSpec
 
 log = logging.getLogger(__name__)
@@ -97,5 +97,6 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     failed = next((s for s in record.stages.values() if s.status not in ("ok", "skipped")), None)
     if failed is not None:
         record.status, record.error = failed.status, failed.error
+    record.finished_utc = utc_now()
     record.write(record_path)
     return record

@@ -85,7 +85,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     failure = None
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo), daemon=True)
         pump.start()
         try:
@@ -96,6 +96,9 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
             failure = {"status": "timeout", "error": {
                 "message": f"stage {stage} still running after launcher.timeout_s={spec.launcher.timeout_s}; killed",
                 "phase": None}}
+        except BaseException:  # Ctrl-C in the sweep: the run's own session does not get the terminal's signal
+            _kill_tree(proc)
+            raise
         pump.join(timeout=10)
     wall = time.perf_counter() - start
     ranks = []
@@ -108,6 +111,18 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
                        f"(exit code {returncode}); log tail:\n{_log_tail(log_path)}",
             "phase": None}}
     return StageOutcome(ranks=ranks, wall_time_s=wall, failure=failure)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the launching process dies, even by SIGKILL. The tree runs in
+    its own session (so a timeout can kill all of it), which also shields it from the terminal's signals;
+    without this a killed sweep would leave its current run training on. torchrun passes SIGTERM on to
+    its ranks. Linux only; elsewhere a no-op."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
 def _kill_tree(proc: subprocess.Popen) -> None:

@@ -6,15 +6,24 @@ way whatever the framework; the adapter's outputs feed the stability tracker and
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from adapters.base import Adapter, TrainOutput
 from bench.data import SyntheticData
 from bench.flops import phase_flops
-from bench.progress import StepProgress
 from bench.spec import RunSpec
 from bench.trackers.phases import PhaseTracker
 from bench.trackers.stability import StabilityTracker
+
+
+class StepObserver(Protocol):
+    """Sees each step's record on rank 0: the progress bar, wandb."""
+
+    def start(self, stage: str, total: int) -> None: ...
+    def advance(self, record: dict[str, Any]) -> None: ...
+    def stop(self) -> None: ...
+
 
 EVAL_BATCHES = 2
 MIN_SCALE_MESSAGE = "loss scale already at minimum"
@@ -32,12 +41,12 @@ def _train_values(out: TrainOutput) -> dict[str, float | None]:
 
 class StageLoop:
     def __init__(self, adapter: Adapter, spec: RunSpec, tracker: PhaseTracker, data: SyntheticData,
-                 progress: StepProgress | None = None) -> None:
+                 observers: Sequence[StepObserver] = ()) -> None:
         self.adapter = adapter
         self.spec = spec
         self.tracker = tracker
         self.data = data
-        self.progress = progress
+        self.observers = observers
 
     def _measure(self, phase: str, step: int, roles: dict[str, tuple[str, ...]], params: dict[str, int], work):
         with self.tracker.phase(phase, step) as sample:
@@ -67,8 +76,8 @@ class StageLoop:
         if stage == "rm":
             learning["accuracy_start"] = self._rm_eval(roles, compute, step=-1)
         n_steps = self.spec.steps[stage]
-        if self.progress is not None:
-            self.progress.start(stage, n_steps)
+        for observer in self.observers:
+            observer.start(stage, n_steps)
         for step in range(n_steps):
             try:
                 record = self._step(stage, step, roles, compute)
@@ -80,12 +89,12 @@ class StageLoop:
                 break
             stop = stability.observe(step, record.pop("_values"), record.pop("_skipped"), record.pop("_scales"))
             steps.append(record)
-            if self.progress is not None:
-                self.progress.advance(record)
+            for observer in self.observers:
+                observer.advance(record)
             if stop:
                 break
-        if self.progress is not None:
-            self.progress.stop()
+        for observer in self.observers:
+            observer.stop()
         if stage == "rm":
             learning["accuracy_end"] = self._rm_eval(roles, compute, step=len(steps))
         return {

@@ -30,3 +30,4 @@ class StepProgress:
     def stop(self) -> None:
         if self._progress is not None:
             self._progress.stop()
+            self._progress = None

@@ -52,6 +52,10 @@ def write_json(path: str, data: Any) -> None:
         raise
 
 
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
 @dataclass
 class StageRecord:
     status: str
@@ -76,7 +80,8 @@ class ResultRecord:
     status: str = "ok"
     error: dict[str, Any] | None = None
     schema_version: int = SCHEMA_VERSION
-    created_utc: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    created_utc: str = field(default_factory=utc_now)
+    finished_utc: str | None = None  # set by the last write: a record without it is a run cut short
     environment: dict[str, Any] = field(default_factory=dict)
     prerequisites: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, StageRecord] = field(default_factory=dict)

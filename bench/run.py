@@ -2,7 +2,9 @@
 
 Exit status: 0 when a record was written (its `status` says ok, oom, nan, error, timeout, ...);
 2 when the configuration is invalid or unsupported, in which case nothing was launched. Under `-m`
-(a sweep) such a run leaves an `unsupported` / `error` record instead and the sweep goes on.
+(a sweep) every cell ends in a record and the sweep goes on: an invalid or unsupported cell, a crash of
+the harness itself, a cell skipped by the OOM back-stop; a cell whose finished record already exists is
+not run again unless `force=true`.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,19 +22,42 @@ from rich.console import Console
 
 from bench.benchmark import RECORD_FILE, run_benchmark
 from bench.config import CONF_DIR, to_plain
-from bench.record import ResultRecord, StageRecord
-from bench.spec import SpecError, UnsupportedError, spec_from_config
+from bench.record import ResultRecord, StageRecord, utc_now
+from bench.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
+from bench.sweep import finished, oom_backstop, read_record
 from bench.table import print_record
 
 log = logging.getLogger("bench.run")
 
 
+def _write_outcome(run_dir: str, config: dict, status: str, message: str, phase: str) -> None:
+    """A record for a cell that did not run (or whose harness crashed): stages it had keep their records."""
+    path = os.path.join(run_dir, RECORD_FILE)
+    record = ResultRecord(run_id=os.path.basename(run_dir), config=config, status=status,
+                          error={"message": message, "phase": phase})
+    for stage in STAGE_CHOICES.get(config["stage"]["name"], (config["stage"]["name"],)):
+        record.stages[stage] = StageRecord(status=status, error=record.error)
+    partial = read_record(path)
+    if partial is not None and isinstance(partial.get("stages"), dict):
+        for name, stage in partial["stages"].items():
+            record.stages[name] = StageRecord(**stage)
+    record.finished_utc = utc_now()
+    record.write(path)
+
+
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> str:
     run_dir = HydraConfig.get().runtime.output_dir
     config = to_plain(cfg)
     console = Console()
     sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
+    record_path = os.path.join(run_dir, RECORD_FILE)
+    if sweeping and not config.get("force"):
+        done = finished(record_path)
+        if done is not None:
+            console.print(f"[dim]already done ({done['status']}): {run_dir} -- force=true runs it again[/dim]",
+                          soft_wrap=True)
+            return f"resumed:{done['status']}"
     try:
         spec = spec_from_config(config)
     except SpecError as err:
@@ -39,16 +65,28 @@ def main(cfg: DictConfig) -> None:
         if isinstance(err, UnsupportedError) or sweeping:
             # Keep a record so a sweep shows the cell; a sweep goes on to its next run.
             status = "unsupported" if isinstance(err, UnsupportedError) else "error"
-            record = ResultRecord(run_id=os.path.basename(run_dir), config=config, status=status,
-                                  error={"message": str(err), "phase": "validation"})
-            record.stages[config["stage"]["name"]] = StageRecord(status=status, error=record.error)
-            record.write(os.path.join(run_dir, RECORD_FILE))
+            _write_outcome(run_dir, config, status, str(err), "validation")
         if sweeping:
-            return
+            return status
         sys.exit(2)
+    if sweeping:
+        batch = oom_backstop(config, os.path.dirname(run_dir), run_dir)
+        if batch is not None:
+            console.print(f"[yellow]skipped: this configuration ran out of memory at batch {batch}[/yellow]")
+            _write_outcome(run_dir, config, "skipped", f"skipped (oom at batch {batch})", "oom-backstop")
+            return "skipped"
     cache_dir = os.path.join(config["output_root"], "cache")
-    record = run_benchmark(spec, run_dir, config, cache_dir)
-    print_record(record.to_dict(), os.path.join(run_dir, RECORD_FILE), console)
+    try:
+        record = run_benchmark(spec, run_dir, config, cache_dir)
+    except Exception as err:  # noqa: BLE001 -- in a sweep, one cell's crash must not end the others
+        if not sweeping:
+            raise
+        console.print(f"[bold red]harness error:[/bold red] {err}")
+        _write_outcome(run_dir, config, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}",
+                       "harness")
+        return "error"
+    print_record(record.to_dict(), record_path, console)
+    return record.status
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
 STAGES = ("sft", "rm", "ppo")
 STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "pipeline": ("sft", "rm", "ppo")}
+WANDB_MODES = ("off", "online", "offline")
 DEVICES = ("auto", "cpu", "cuda")
 # Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
 MIN_VOCAB = 64
@@ -142,6 +143,7 @@ class RunSpec:
     plugin: str = "auto"
     tp: int = 1
     pp: int = 1
+    wandb: str = "off"
     init: InitSpec = field(default_factory=InitSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -158,6 +160,7 @@ class RunSpec:
         _int("seed", self.seed, 0)
         _bool("grad_ckpt", self.grad_ckpt)
         _bool("offload", self.offload)
+        _choice("wandb", self.wandb, WANDB_MODES)
         if not isinstance(self.plugin, str) or not self.plugin:
             raise SpecError(f"plugin={self.plugin!r} must be a name (auto = chosen from zero, precision, offload)")
         _int("tp", self.tp, 1)
@@ -252,6 +255,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         plugin=cfg["plugin"],
         tp=cfg["tp"],
         pp=cfg["pp"],
+        wandb=cfg.get("wandb", "off"),
         init=InitSpec(**dict(cfg.get("init") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),

@@ -20,10 +20,11 @@ from adapters import registry
 from adapters.base import RankContext
 from bench.data import SyntheticData
 from bench.environment import environment
-from bench.loop import StageLoop
+from bench.loop import StageLoop, StepObserver
 from bench.progress import StepProgress
 from bench.record import write_json
 from bench.spec import RunSpec, UnsupportedError
+from bench.step_log import WandbSteps
 from bench.trackers.phases import PhaseTracker
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -60,6 +61,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     result: dict[str, Any] = {"rank": rank, "world_size": world, "stage": stage, "status": "ok", "error": None}
     tracker = None
     adapter = None
+    observers: list[StepObserver] = []
     try:
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device)
@@ -76,8 +78,11 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result["data_parallel_rank"] = adapter.data_parallel_rank
         data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
                              adapter.data_parallel_rank)
-        progress = StepProgress() if rank == 0 else None
-        result.update(StageLoop(adapter, spec, tracker, data, progress).run(stage, init))
+        if rank == 0:
+            observers.append(StepProgress())
+            if spec.wandb != "off":
+                observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
+        result.update(StageLoop(adapter, spec, tracker, data, observers).run(stage, init))
         result["notes"] = adapter.notes()
         stability = result["stability"]
         if stability["classification"] == "diverged":
@@ -95,6 +100,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
                            "traceback": traceback.format_exc(limit=20)}
         print(result["error"]["traceback"], file=sys.stderr)
     finally:
+        for observer in observers:  # after a failure too: wandb must close its run files
+            observer.stop()
         if tracker is not None:
             result["phase_samples"] = tracker.samples
         if adapter is not None:

@@ -1,0 +1,69 @@
+"""`python -m bench.report DIR [--out OUT] [--budget-gib G] [--stage S]`: the report of every record under DIR.
+
+Writes OUT/report.md, OUT/report.html (self-contained), OUT/table.csv, OUT/table.parquet and OUT/plots/
+(OUT defaults to DIR/report). Unreadable record files are listed in the report and skipped. Exit status
+2 when DIR holds no readable record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rich.console import Console
+
+from bench.collect import collect
+from bench.record import utc_now
+from bench.report import claims, decision, plots, render, tables
+
+GIB = 1024.0**3
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.report", description=__doc__.splitlines()[0])
+    parser.add_argument("root", help="a sweep directory (results/sweeps/NAME), results/runs, or any folder of runs")
+    parser.add_argument("--out", help="output folder (default: ROOT/report)")
+    parser.add_argument("--budget-gib", type=float, help="per-rank memory budget for the decision tree, GiB")
+    parser.add_argument("--stage", choices=decision.STAGE_PREFERENCE,
+                        help="stage the decision tree decides on (default: ppo if measured, else rm, else sft)")
+    args = parser.parse_args(argv)
+    console = Console(stderr=True)
+    if not os.path.isdir(args.root):
+        console.print(f"[red]{args.root} is not a directory[/red]")
+        return 2
+    if args.budget_gib is not None and args.budget_gib <= 0:
+        console.print(f"[red]--budget-gib={args.budget_gib} must be > 0[/red]")
+        return 2
+    collection = collect(args.root)
+    for problem in collection.problems:
+        console.print(f"[yellow]skipped {problem.path}: {problem.reason}[/yellow]")
+    if not collection.records:
+        console.print(f"[red]no readable record.json under {args.root}[/red]")
+        return 2
+    out = args.out or os.path.join(args.root, "report")
+    os.makedirs(out, exist_ok=True)
+    budget = args.budget_gib * GIB if args.budget_gib else None
+    report = render.Report(
+        collection=collection,
+        tables=tables.all_tables(collection.rows),
+        plots=plots.all_plots(collection.rows, collection.records, os.path.join(out, "plots")),
+        tree=decision.build(collection.rows, budget, args.stage),
+        claims=claims.check_all(collection.rows, collection.records),
+        generated_utc=utc_now(),
+    )
+    written = render.write_flat(collection.rows, out)
+    for name, text in (("report.md", render.markdown(report)), ("report.html", render.html_page(report))):
+        path = os.path.join(out, name)
+        with open(path, "w") as f:
+            f.write(text)
+        written.append(path)
+    console.print(f"report of {len(collection.records)} runs ({len(collection.rows)} stage rows, "
+                  f"{len(collection.problems)} skipped files):")
+    for path in written + report.plots:
+        console.print(f"  {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

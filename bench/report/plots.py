@@ -1,0 +1,163 @@
+"""The report's figures (matplotlib, PNG): memory by ZeRO stage and LoRA rank, throughput vs batch, a
+PPO run's per-step memory timeline, SFT/RM loss curves, PPO reward curves. Each returns the files it wrote
+(none when the sweep has nothing to show for it)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on a cluster node or in CI
+import matplotlib.pyplot as plt  # noqa: E402
+
+from bench.report.aggregate import CELL_COLUMNS, stat  # noqa: E402
+
+MIB = 1024.0 * 1024.0
+
+
+def _save(fig: Any, directory: str, name: str) -> str:
+    path = os.path.join(directory, f"{name}.png")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _slice(rows: list[dict[str, Any]], knob: str, value: str, framework: str
+           ) -> tuple[str, list[Any], list[float]]:
+    """One framework's line against `knob`: of the configurations that differ only in `knob`, the one with the
+    most distinct values (ties: the most runs). Returns (its label, knob values, median `value` per knob value),
+    so a line never mixes configurations."""
+    slices: dict[tuple, list[dict[str, Any]]] = {}
+    for row in rows:
+        if row["framework"] == framework and row.get(value) is not None:
+            key = tuple((c, row.get(c)) for c in CELL_COLUMNS if c not in (knob, "stage"))
+            slices.setdefault(key, []).append(row)
+    if not slices:
+        return framework, [], []
+    key, chosen = max(slices.items(), key=lambda item: (len({r[knob] for r in item[1]}), len(item[1])))
+    shown = {k: v for k, v in key if k in ("precision", "zero", "lora", "batch", "nproc") and k != knob}
+    label = f"{framework} ({' '.join(f'{k}={v}' for k, v in shown.items())})"
+    xs = sorted({r[knob] for r in chosen})
+    return label, xs, [stat([r[value] for r in chosen if r[knob] == x]).median for x in xs]
+
+
+def memory_by(rows: list[dict[str, Any]], directory: str, knob: str) -> list[str]:
+    """Peak memory (max over phases, MiB) against `knob` (zero or lora), one panel per stage."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+    stages = [s for s in ("sft", "rm", "ppo") if any(r["stage"] == s for r in ok)]
+    if not stages or len({r[knob] for r in ok}) < 2:
+        return []
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 3.4), squeeze=False)
+    for ax, stage in zip(axes[0], stages, strict=True):
+        rows_s = [r for r in ok if r["stage"] == stage]
+        frameworks = sorted({r["framework"] for r in rows_s})
+        values = sorted({r[knob] for r in rows_s})
+        width = 0.8 / max(len(frameworks), 1)
+        for i, framework in enumerate(frameworks):
+            label, xs, ys = _slice(rows_s, knob, "peak_bytes", framework)
+            ax.bar([values.index(x) + i * width for x in xs], [y / MIB for y in ys], width, label=label)
+        ax.set_xticks([j + width * (len(frameworks) - 1) / 2 for j in range(len(values))], [str(v) for v in values])
+        ax.set_xlabel("ZeRO stage" if knob == "zero" else "LoRA rank (0 = full fine-tuning)")
+        ax.set_ylabel("peak MiB (max over ranks, median)")
+        ax.set_title(stage)
+        ax.set_ylim(top=ax.get_ylim()[1] * (1.0 + 0.12 * len(frameworks)))  # room for the legend above the bars
+        ax.legend(fontsize=6, loc="upper left")
+    return [_save(fig, directory, f"memory_by_{knob}")]
+
+
+def throughput_vs_batch(rows: list[dict[str, Any]], directory: str) -> list[str]:
+    ok = [r for r in rows if r["status"] == "ok" and r.get("samples_per_s_step") is not None]
+    stages = [s for s in ("sft", "rm", "ppo") if any(r["stage"] == s for r in ok)]
+    if not stages or len({r["batch"] for r in ok}) < 2:
+        return []
+    fig, axes = plt.subplots(1, len(stages), figsize=(4.2 * len(stages), 3.4), squeeze=False)
+    for ax, stage in zip(axes[0], stages, strict=True):
+        rows_s = [r for r in ok if r["stage"] == stage]
+        for framework in sorted({r["framework"] for r in rows_s}):
+            label, xs, ys = _slice(rows_s, "batch", "samples_per_s_step", framework)
+            ax.plot(xs, ys, marker="o", label=label)
+        ax.set_xlabel("micro-batch per rank")
+        ax.set_ylabel("samples/s per step (global, median)")
+        ax.set_title(stage)
+        ax.legend(fontsize=7)
+    return [_save(fig, directory, "throughput_vs_batch")]
+
+
+def ppo_memory_timeline(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
+    """Per-step, per-phase peak of one ok PPO run per framework (the first found)."""
+    chosen: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+    for run, record in records.items():
+        ppo = record["stages"].get("ppo") or {}
+        timeline = (ppo.get("memory") or {}).get("timeline") or []
+        framework = record["config"]["framework"]["name"]
+        if ppo.get("status") == "ok" and timeline and framework not in chosen:
+            chosen[framework] = (run, timeline)
+    if not chosen:
+        return []
+    fig, axes = plt.subplots(len(chosen), 1, figsize=(8, 2.4 * len(chosen)), squeeze=False)
+    for ax, (framework, (run, timeline)) in zip(axes[:, 0], sorted(chosen.items()), strict=True):
+        phases = list(dict.fromkeys(s["phase"] for s in timeline))
+        for phase in phases:
+            points = [(i, s["peak_bytes"] / MIB) for i, s in enumerate(timeline) if s["phase"] == phase]
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", linestyle="none", label=phase)
+        ax.plot(range(len(timeline)), [s["peak_bytes"] / MIB for s in timeline], color="grey", linewidth=0.6)
+        ax.set_title(f"{framework}: {run}", fontsize=8)
+        ax.set_ylabel("peak MiB (rank 0)")
+        ax.legend(fontsize=7, ncol=len(phases))
+    axes[-1, 0].set_xlabel("phase sample, in execution order (steps x phases)")
+    return [_save(fig, directory, "ppo_memory_timeline")]
+
+
+def loss_curves(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
+    """SFT and RM training loss per step of every run (mean over ranks), one panel per stage."""
+    curves: dict[str, list[tuple[str, list[float]]]] = {}
+    for run, record in sorted(records.items()):
+        for stage in ("sft", "rm"):
+            learning = (record["stages"].get(stage) or {}).get("learning") or {}
+            curve = [v if isinstance(v, (int, float)) else float("nan") for v in learning.get("loss_curve") or []]
+            if len(curve) > 1:
+                curves.setdefault(stage, []).append((f"{record['config']['framework']['name']}: {run}"[:60], curve))
+    if not curves:
+        return []
+    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.6), squeeze=False)
+    for ax, (stage, lines) in zip(axes[0], curves.items(), strict=True):
+        for label, curve in lines:
+            ax.plot(range(len(curve)), curve, marker=".", linewidth=1, label=label)
+        ax.set_title(f"{stage} training loss")
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (mean over ranks)")
+        if len(lines) <= 8:
+            ax.legend(fontsize=5)
+    return [_save(fig, directory, "loss_curves")]
+
+
+def reward_curves(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
+    curves = []
+    for run, record in sorted(records.items()):
+        learning = ((record["stages"].get("ppo") or {}).get("learning") or {})
+        curve = [v for v in learning.get("reward_curve") or [] if isinstance(v, (int, float))]
+        if len(curve) > 1:
+            curves.append((record["config"]["framework"]["name"], run, curve))
+    if not curves:
+        return []
+    frameworks = sorted({c[0] for c in curves})
+    fig, axes = plt.subplots(1, len(frameworks), figsize=(4.2 * len(frameworks), 3.4), squeeze=False, sharey=True)
+    for ax, framework in zip(axes[0], frameworks, strict=True):
+        for _, run, curve in (c for c in curves if c[0] == framework):
+            ax.plot(range(len(curve)), curve, linewidth=1, alpha=0.8, label=run[:40])
+        ax.set_title(framework)
+        ax.set_xlabel("PPO step")
+        ax.set_ylabel("reward (RM score, mean over ranks)")
+        if len(axes[0]) and sum(1 for c in curves if c[0] == framework) <= 6:
+            ax.legend(fontsize=5)
+    return [_save(fig, directory, "reward_curves")]
+
+
+def all_plots(rows: list[dict[str, Any]], records: dict[str, dict[str, Any]], directory: str) -> list[str]:
+    os.makedirs(directory, exist_ok=True)
+    return (memory_by(rows, directory, "zero") + memory_by(rows, directory, "lora")
+            + throughput_vs_batch(rows, directory) + ppo_memory_timeline(records, directory)
+            + loss_curves(records, directory) + reward_curves(records, directory))

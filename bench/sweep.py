@@ -1,0 +1,66 @@
+"""What a sweep adds around one run: skip-if-done, the out-of-memory back-stop, and never aborting.
+
+A sweep directory holds one sub-directory per cell (Hydra's override_dirname), each with its
+record.json. Re-running the same sweep (`sweep_name=<dir>`) skips every cell whose record is finished;
+`force=true` re-runs them. When a cell ran out of memory at batch N, the cells that differ from it only
+by a larger batch are recorded as skipped instead of run.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from typing import Any
+
+# Keys that do not change what a run measures: two configs that differ only here are the same cell.
+NOT_MEASURED = ("run_name", "output_root", "force", "sweep_name", "launcher.timeout_s", "wandb")
+
+
+def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def cell_key(config: dict[str, Any], without: tuple[str, ...] = ()) -> str:
+    """A canonical string of everything a run measures, less `without`."""
+    flat = {k: v for k, v in _flat(config).items() if k not in NOT_MEASURED + without}
+    return json.dumps(flat, sort_keys=True, default=str)
+
+
+def read_record(path: str) -> dict[str, Any] | None:
+    """The record at `path`, or None when it is missing or unreadable (a sweep re-runs such a cell)."""
+    try:
+        with open(path) as f:
+            record = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def finished(path: str) -> dict[str, Any] | None:
+    """The record at `path` if its run finished (the last write sets finished_utc), else None."""
+    record = read_record(path)
+    return record if record is not None and record.get("finished_utc") else None
+
+
+def oom_backstop(config: dict[str, Any], sweep_dir: str, own_dir: str) -> int | None:
+    """The smallest batch at which this cell's configuration ran out of memory, if smaller than its own."""
+    mine = cell_key(config, ("batch",))
+    smallest = None
+    for path in glob.glob(os.path.join(sweep_dir, "**", "record.json"), recursive=True):
+        if os.path.abspath(os.path.dirname(path)) == os.path.abspath(own_dir):
+            continue
+        record = read_record(path)
+        if record is None or record.get("status") != "oom" or not isinstance(record.get("config"), dict):
+            continue
+        batch = record["config"].get("batch")
+        if isinstance(batch, int) and batch < config["batch"] and cell_key(record["config"], ("batch",)) == mine:
+            smallest = batch if smallest is None else min(smallest, batch)
+    return smallest
