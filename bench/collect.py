@@ -149,7 +149,7 @@ def _check(record: Any) -> str | None:
 
 def collect(root: str) -> Collection:
     """Every record.json under `root` (a sweep, a runs directory, or several)."""
-    collection = Collection(root=os.path.abspath(root))
+    collection = Collection(root=root)
     for path in sorted(glob.glob(os.path.join(root, "**", RECORD_NAME), recursive=True)):
         if f"{os.sep}report{os.sep}" in path:
             continue

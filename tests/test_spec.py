@@ -40,6 +40,7 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("tp=3", ["tp=3 x pp=1 must divide launcher.nproc=1"]),
         ("pp=0", ["pp=0", ">= 1"]),
         ("plugin=3d", ["plugin='3d' is a colossalai knob"]),
+        ("wandb=maybe", ["wandb='maybe'", "off, online, offline"]),
     ],
 )
 def test_bad_values_are_named_with_the_allowed_ones(override, expected):

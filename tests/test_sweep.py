@@ -109,7 +109,7 @@ def test_oom_at_a_batch_skips_the_larger_batches_of_that_configuration(tmp_path)
     # The sweep holds a finished record that ran out of memory at batch 2 (as a worker writes it); the larger
     # batches of the same configuration are recorded as skipped without launching, smaller ones and other
     # configurations are untouched (validated here without running them: tp=2 is invalid on 1 rank).
-    cell = tmp_path / "sweeps" / "s" / "batch=2,framework=dschat,stage=sft,steps=2,warmup_steps=1"
+    cell = tmp_path / "sweeps" / "s" / "batch=2,framework=trlx,stage=sft,steps=2,warmup_steps=1"
     oom = ResultRecord(run_id=cell.name, config=compose([*SFT, "batch=2"]), status="oom",
                        error={"message": "CUDA out of memory", "phase": "training"})
     oom.stages["sft"] = StageRecord(status="oom", error=oom.error)
@@ -119,10 +119,10 @@ def test_oom_at_a_batch_skips_the_larger_batches_of_that_configuration(tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     found = records(tmp_path)
     for batch in (4, 8):
-        record = found[f"batch={batch},framework=dschat,stage=sft,steps=2,warmup_steps=1"]
+        record = found[f"batch={batch},framework=trlx,stage=sft,steps=2,warmup_steps=1"]
         assert record["status"] == "skipped" and record["error"]["message"] == "skipped (oom at batch 2)"
         assert record["stages"]["sft"]["status"] == "skipped"
-        assert not (cell.parent / f"batch={batch},framework=dschat,stage=sft,steps=2,warmup_steps=1" / "sft").exists()
+        assert not (cell.parent / f"batch={batch},framework=trlx,stage=sft,steps=2,warmup_steps=1" / "sft").exists()
     assert found[cell.name]["status"] == "oom"
     assert oom_backstop(compose([*SFT, "batch=1"]), str(cell.parent), "/elsewhere") is None
     assert oom_backstop(compose([*SFT, "batch=4", "zero=2"]), str(cell.parent), "/elsewhere") is None

@@ -47,15 +47,22 @@ def _peak_by_framework(rows: Rows, stage: str, **match: Any) -> dict[str, Any]:
 
 def memory_order(stage: str) -> Callable[[Rows, Records], tuple[str, str]]:
     def check(rows: Rows, records: Records) -> tuple[str, str]:
-        peaks = _peak_by_framework(rows, stage, zero=2)
+        # the articles' setting: ZeRO-2, batch 4; full fine-tuning where the sweep has it
+        chosen = [r for r in rows if r["zero"] == 2]
+        for key, value in (("batch", 4), ("lora", 0)):
+            if any(r[key] == value and r["stage"] == stage and r["status"] == "ok" for r in chosen):
+                chosen = [r for r in chosen if r[key] == value]
+        peaks = _peak_by_framework(chosen, stage)
         if len(peaks) < 2:
             return NOT_MEASURED, f"needs ok {stage} runs at zero=2 from two or more frameworks; has {sorted(peaks)}"
         measured = sorted(peaks, key=lambda f: peaks[f].median, reverse=True)
         claimed = [f for f in CLAIMED_MEMORY_ORDER if f in peaks]
         figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB" for f in measured)
+        batches = sorted({r["batch"] for r in chosen if r["stage"] == stage})
+        loras = sorted({r["lora"] for r in chosen if r["stage"] == stage})
         verdict = SUPPORTED if measured == claimed else CONTRADICTED
-        return verdict, (f"median peak at zero=2, most to least: {figures}; claimed order "
-                         f"{' > '.join(claimed)}" + _scale_note(rows))
+        return verdict, (f"median peak at zero=2, batch {batches}, lora {loras}, most to least: {figures}; claimed "
+                         f"order {' > '.join(claimed)}" + _scale_note(rows))
     return check
 
 
@@ -76,25 +83,45 @@ def lora_support(rows: Rows, records: Records) -> tuple[str, str]:
 
 
 def precision_stability(rows: Rows, records: Records) -> tuple[str, str]:
-    def unstable_share(framework: str, precision: str) -> tuple[int, int] | None:
-        runs = [r for r in rows if r["framework"] == framework and r["precision"] == precision and r.get("stability")]
-        return (sum(r["stability"] not in ("stable", "recovered") for r in runs), len(runs)) if runs else None
+    """Each part compares frameworks at one precision: 'risky' means less stable than the others there."""
+    share: dict[tuple[str, str], tuple[int, int]] = {}
+    for row in rows:
+        if row.get("stability"):
+            bad, total = share.get((row["framework"], row["precision"]), (0, 0))
+            share[(row["framework"], row["precision"])] = (bad + (row["stability"] not in ("stable", "recovered")),
+                                                           total + 1)
 
-    checks = []
-    for framework, precision, claim in (("dschat", "fp16", "risky"), ("colossalai", "bf16", "stable"),
-                                        ("trlx", "bf16", "stable")):
-        share = unstable_share(framework, precision)
-        if share is None:
-            checks.append((None, f"{framework} {precision}: not measured"))
-            continue
-        bad, total = share
-        holds = bad > 0 if claim == "risky" else bad == 0
-        checks.append((holds, f"{framework} {precision}: {bad}/{total} runs unstable (claim: {claim})"))
+    def rate(framework: str, precision: str) -> float:
+        bad, total = share[(framework, precision)]
+        return bad / total
+
+    def others(framework: str, precision: str) -> list[str]:
+        return [f for f, p in share if p == precision and f != framework]
+
+    checks: list[tuple[bool | None, str]] = []
+    if ("dschat", "fp16") in share and others("dschat", "fp16"):
+        worst_other = max(rate(f, "fp16") for f in others("dschat", "fp16"))
+        checks.append((rate("dschat", "fp16") > worst_other, f"fp16 unstable share: dschat "
+                       f"{rate('dschat', 'fp16'):.0%} vs others up to {worst_other:.0%} (claim: dschat riskier)"))
+    else:
+        checks.append((None, "dschat fp16 against another framework's fp16: not measured"))
+    if ("colossalai", "bf16") in share:
+        colossalai_bf16 = rate("colossalai", "bf16")
+        checks.append((colossalai_bf16 == 0, f"colossalai bf16 unstable share {colossalai_bf16:.0%} (claim: stable)"))
+    else:
+        checks.append((None, "colossalai bf16: not measured"))
+    if ("trlx", "bf16") in share and others("trlx", "bf16"):
+        best_other = min(rate(f, "bf16") for f in others("trlx", "bf16"))
+        checks.append((rate("trlx", "bf16") <= best_other, f"bf16 unstable share: trlx {rate('trlx', 'bf16'):.0%} "
+                       f"vs others from {best_other:.0%} (claim: trlx best)"))
+    else:
+        checks.append((None, "trlx bf16 against another framework's bf16: not measured"))
     measured = [h for h, _ in checks if h is not None]
+    text = "; ".join(t for _, t in checks) + _scale_note(rows)
     if not measured:
-        return NOT_MEASURED, "; ".join(t for _, t in checks)
+        return NOT_MEASURED, text
     verdict = SUPPORTED if all(measured) and len(measured) == 3 else CONTRADICTED if not any(measured) else PARTLY
-    return verdict, "; ".join(t for _, t in checks) + _scale_note(rows)
+    return verdict, text
 
 
 def zero3_vs_zero2(rows: Rows, records: Records) -> tuple[str, str]:
@@ -178,22 +205,23 @@ def four_models(rows: Rows, records: Records) -> tuple[str, str]:
 
 
 def optimizer_vs_weights(rows: Rows, records: Records) -> tuple[str, str]:
-    ratios: dict[str, list[float]] = {}
+    ratios: dict[tuple[str, str], list[float]] = {}
     for record in records.values():
         for stage in record["stages"].values():
             actor = (stage.get("model_state") or {}).get("actor") or {}
             params = (actor.get("trainable_param_bytes_per_rank") or [None])[0]
             optim = (actor.get("optimizer_state_bytes_per_rank") or [None])[0]
             if stage.get("status") == "ok" and params and optim and record["config"].get("zero") == 0:
-                ratios.setdefault(record["config"]["precision"], []).append(optim / params)
+                key = (record["config"]["framework"]["name"], record["config"]["precision"])
+                ratios.setdefault(key, []).append(optim / params)
     if not ratios:
         return NOT_MEASURED, "needs ok runs at zero=0 (unsharded optimizer state)"
-    parts = {p: stat(v) for p, v in sorted(ratios.items())}
+    parts = {key: stat(v) for key, v in sorted(ratios.items())}
     more = [s.median > 2.0 for s in parts.values()]
     verdict = SUPPORTED if all(more) else CONTRADICTED if not any(more) else PARTLY
     return verdict, "optimizer-state bytes / trainable weight bytes of the actor, zero=0: " + ", ".join(
-        f"{p} {s.median:.2f}x" for p, s in parts.items()) + " (Adam keeps 2 fp32 moments: 2x of fp32 weights; a " \
-        "half-precision engine adds the fp32 master copy: 6x of 16-bit weights; autocast keeps fp32 weights)"
+        f"{f} {p} {s.median:.2f}x" for (f, p), s in parts.items()) + " (Adam keeps 2 fp32 moments: 2x of fp32 " \
+        "weights; an engine that trains 16-bit weights adds an fp32 master copy: 6x; autocast keeps fp32 weights: 2x)"
 
 
 def _unmeasurable(reason: str) -> Callable[[Rows, Records], tuple[str, str]]:
@@ -231,7 +259,7 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records], tuple[str, str]]], ...] 
     ("A20", "recommended DeepSpeed-Chat config for 8 x A100-80G", _unmeasurable(GPU_ONLY)),
     ("B1", "PPO keeps four models resident (actor, reward, critic, reference)", four_models),
     ("B2", "an 8B model's FP16 weights take about 16 GB; four models do not fit one machine",
-     _unmeasurable("arithmetic on an 8B model; see `python -m bench.plan`")),
+     _unmeasurable("arithmetic on an 8B model's sizes, not a measurement at this scale")),
     ("B3", "optimizer states usually take more than 2x the weights", optimizer_vs_weights),
     ("B4", "TP within a node, PP across nodes only when needed, DP = GPUs / (TP x PP)",
      _unmeasurable("a planning rule for multi-node GPU clusters")),

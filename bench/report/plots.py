@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on a cluster node or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
+from bench.record import PHASE_ORDER  # noqa: E402
 from bench.report.aggregate import CELL_COLUMNS, stat  # noqa: E402
 
 MIB = 1024.0 * 1024.0
@@ -33,7 +34,9 @@ def _slice(rows: list[dict[str, Any]], knob: str, value: str, framework: str
     slices: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         if row["framework"] == framework and row.get(value) is not None:
-            key = tuple((c, row.get(c)) for c in CELL_COLUMNS if c not in (knob, "stage"))
+            # trlx's reference follows LoRA under reference=auto (hydra <-> peft): it moves with the knob
+            free = (knob, "stage", "reference") if knob == "lora" else (knob, "stage")
+            key = tuple((c, row.get(c)) for c in CELL_COLUMNS if c not in free)
             slices.setdefault(key, []).append(row)
     if not slices:
         return framework, [], []
@@ -102,7 +105,9 @@ def ppo_memory_timeline(records: dict[str, dict[str, Any]], directory: str) -> l
         phases = list(dict.fromkeys(s["phase"] for s in timeline))
         for phase in phases:
             points = [(i, s["peak_bytes"] / MIB) for i, s in enumerate(timeline) if s["phase"] == phase]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=".", linestyle="none", label=phase)
+            color = f"C{PHASE_ORDER.index(phase)}" if phase in PHASE_ORDER else None  # one colour per phase
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=4, linestyle="none",
+                    label=phase, color=color)
         ax.plot(range(len(timeline)), [s["peak_bytes"] / MIB for s in timeline], color="grey", linewidth=0.6)
         ax.set_title(f"{framework}: {run}", fontsize=8)
         ax.set_ylabel("peak MiB (rank 0)")

@@ -44,10 +44,10 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 def memory_table(rows: list[dict[str, Any]]) -> Table:
     phases = phases_in(rows, "peak")
     config = _config_header(rows)
-    header = config + ["status"] + [f"{p} MiB" for p in phases] + ["model state MiB (rank 0)"]
+    header = config + ["runs", "status"] + [f"{p} MiB" for p in phases] + ["model state MiB (rank 0)"]
     body = []
     for cell, runs in group(rows).items():
-        body.append(_config_cells(cell, config) + [status_of(runs)]
+        body.append(_config_cells(cell, config) + [str(len(runs)), status_of(runs)]
                     + [stat([r.get(f"peak_{p}_bytes") for r in runs]).fmt(MIB) for p in phases]
                     + [stat([r.get("model_state_bytes_rank0") for r in runs]).fmt(MIB, 2)])
     method = next((r["memory_method"] for r in rows if r.get("memory_method")), "not recorded")
@@ -60,13 +60,13 @@ def memory_table(rows: list[dict[str, Any]]) -> Table:
 def throughput_table(rows: list[dict[str, Any]]) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p != "init"]
     config = _config_header(rows)
-    header = config + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share"]
+    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share"]
     body = []
     for cell, runs in group(rows).items():
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
             continue
-        body.append(_config_cells(cell, config)
+        body.append(_config_cells(cell, config) + [str(len(ok))]
                     + [stat([r.get(f"tokens_per_s_{p}") for r in ok]).fmt() for p in phases]
                     + [stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
                        stat([r.get("share_generation") for r in ok]).fmt(0.01, 0) + (
