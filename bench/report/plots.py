@@ -4,6 +4,7 @@ PPO run's per-step memory timeline, SFT/RM loss curves, PPO reward curves. Each 
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any
 
@@ -116,49 +117,59 @@ def ppo_memory_timeline(records: dict[str, dict[str, Any]], directory: str) -> l
     return [_save(fig, directory, "ppo_memory_timeline")]
 
 
-def loss_curves(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
-    """SFT and RM training loss per step of every run (mean over ranks), one panel per stage."""
-    curves: dict[str, list[tuple[str, list[float]]]] = {}
-    for run, record in sorted(records.items()):
-        for stage in ("sft", "rm"):
-            learning = (record["stages"].get(stage) or {}).get("learning") or {}
-            curve = [v if isinstance(v, (int, float)) else float("nan") for v in learning.get("loss_curve") or []]
-            if len(curve) > 1:
-                curves.setdefault(stage, []).append((f"{record['config']['framework']['name']}: {run}"[:60], curve))
-    if not curves:
-        return []
-    fig, axes = plt.subplots(1, len(curves), figsize=(5.5 * len(curves), 3.6), squeeze=False)
-    for ax, (stage, lines) in zip(axes[0], curves.items(), strict=True):
-        for label, curve in lines:
-            ax.plot(range(len(curve)), curve, marker=".", linewidth=1, label=label)
-        ax.set_title(f"{stage} training loss")
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (mean over ranks)")
+def _short_labels(runs: list[str]) -> dict[str, str]:
+    """Each run's name (its overrides, comma-separated) without the overrides every run of the panel shares."""
+    parts = {run: run.split(",") for run in runs}
+    common = set.intersection(*(set(p) for p in parts.values())) if len(runs) > 1 else set()
+    return {run: ",".join(p for p in parts[run] if p not in common) or run for run in runs}
+
+
+def _curve_panels(panels: dict[str, list[tuple[str, list[float]]]], ylabel: str, xlabel: str, directory: str,
+                  name: str) -> list[str]:
+    """One panel per key; a line per run; a red x at the top for each non-finite step of a run."""
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 3.6), squeeze=False)
+    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
+        labels = _short_labels([run for run, _ in lines])
+        for run, curve in lines:
+            (line,) = ax.plot(range(len(curve)), curve, marker=".", linewidth=1, alpha=0.85, label=labels[run])
+            bad = [i for i, v in enumerate(curve) if not math.isfinite(v)]
+            if bad:
+                ax.plot(bad, [1.0] * len(bad), "x", color="red", transform=ax.get_xaxis_transform(), clip_on=False)
+                line.set_label(f"{labels[run]} (non-finite from step {bad[0]})")
+        ax.set_title(title)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
         if len(lines) <= 8:
             ax.legend(fontsize=5)
-    return [_save(fig, directory, "loss_curves")]
+    return [_save(fig, directory, name)]
+
+
+def _finite_or_nan(values: list[Any]) -> list[float]:
+    return [float(v) if isinstance(v, (int, float)) else float("nan") for v in values]
+
+
+def loss_curves(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
+    """SFT and RM training loss per step of every run (mean over ranks), one panel per framework and stage."""
+    panels: dict[str, list[tuple[str, list[float]]]] = {}
+    for run, record in sorted(records.items()):
+        for stage in ("sft", "rm"):
+            curve = _finite_or_nan(((record["stages"].get(stage) or {}).get("learning") or {}).get("loss_curve") or [])
+            if len(curve) > 1:
+                panels.setdefault(f"{record['config']['framework']['name']} {stage} loss", []).append((run, curve))
+    return _curve_panels(panels, "loss (mean over ranks)", "step", directory, "loss_curves") if panels else []
 
 
 def reward_curves(records: dict[str, dict[str, Any]], directory: str) -> list[str]:
-    curves = []
+    """PPO reward (RM score) per step of every run, one panel per framework."""
+    panels: dict[str, list[tuple[str, list[float]]]] = {}
     for run, record in sorted(records.items()):
-        learning = ((record["stages"].get("ppo") or {}).get("learning") or {})
-        curve = [v for v in learning.get("reward_curve") or [] if isinstance(v, (int, float))]
+        learning = (record["stages"].get("ppo") or {}).get("learning") or {}
+        curve = _finite_or_nan(learning.get("reward_curve") or [])
         if len(curve) > 1:
-            curves.append((record["config"]["framework"]["name"], run, curve))
-    if not curves:
+            panels.setdefault(f"{record['config']['framework']['name']} PPO reward", []).append((run, curve))
+    if not panels:
         return []
-    frameworks = sorted({c[0] for c in curves})
-    fig, axes = plt.subplots(1, len(frameworks), figsize=(4.2 * len(frameworks), 3.4), squeeze=False, sharey=True)
-    for ax, framework in zip(axes[0], frameworks, strict=True):
-        for _, run, curve in (c for c in curves if c[0] == framework):
-            ax.plot(range(len(curve)), curve, linewidth=1, alpha=0.8, label=run[:40])
-        ax.set_title(framework)
-        ax.set_xlabel("PPO step")
-        ax.set_ylabel("reward (RM score, mean over ranks)")
-        if len(axes[0]) and sum(1 for c in curves if c[0] == framework) <= 6:
-            ax.legend(fontsize=5)
-    return [_save(fig, directory, "reward_curves")]
+    return _curve_panels(panels, "reward (RM score, mean over ranks)", "PPO step", directory, "reward_curves")
 
 
 def all_plots(rows: list[dict[str, Any]], records: dict[str, dict[str, Any]], directory: str) -> list[str]:
