@@ -57,13 +57,11 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _trlx_reference(config: dict[str, Any]) -> str:
-    """The reference mode a trlx run used (adapters/trlx/options.py resolves `auto` the same way)."""
-    framework = config["framework"]
-    if framework.get("reference", "auto") != "auto":
-        return framework["reference"]
-    if config.get("lora"):
-        return "peft"
-    return "full" if framework.get("num_layers_unfrozen") == -1 else "hydra"
+    """The reference mode a trlx run used, resolved by the adapter's own options (which import no framework)."""
+    from adapters.trlx.options import TrlxOptions
+
+    options = {k: v for k, v in config["framework"].items() if k != "name"}
+    return TrlxOptions.from_dict(options).reference_mode(config.get("lora") or 0)
 
 
 def _number(value: Any) -> float | None:

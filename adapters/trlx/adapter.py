@@ -135,7 +135,7 @@ class TrlxAdapter(Adapter):
         return model
 
     def _setup_ppo(self, init: dict[str, str]) -> None:
-        mode = self.options.reference_mode(self.spec)
+        mode = self.options.reference_mode(self.spec.lora)
         lm = self._lm(init.get("sft"))
         hydra_layers = 0
         if mode == "peft":

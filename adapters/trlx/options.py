@@ -66,10 +66,10 @@ class TrlxOptions:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
         return options
 
-    def reference_mode(self, spec: RunSpec) -> str:
+    def reference_mode(self, lora: int) -> str:
         """auto follows trlx: peft with LoRA, else a hydra branch, or a full copy at num_layers_unfrozen=-1."""
         if self.reference == "auto":
-            return "peft" if spec.lora else "full" if self.num_layers_unfrozen == -1 else "hydra"
+            return "peft" if lora else "full" if self.num_layers_unfrozen == -1 else "hydra"
         return self.reference
 
     @classmethod
@@ -77,7 +77,7 @@ class TrlxOptions:
         options = cls.from_dict(spec.framework_options)
         require_data_parallel_only(spec, "trlx", "accelerate trainers have no tensor or pipeline parallelism; only "
                                    "its NeMo trainers do")
-        mode = options.reference_mode(spec)
+        mode = options.reference_mode(spec.lora)
         if mode == "peft" and not spec.lora:
             raise UnsupportedError("framework.reference=peft needs lora > 0: the reference is the policy with its "
                                    "LoRA adapters disabled")

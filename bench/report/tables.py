@@ -60,7 +60,7 @@ def memory_table(rows: list[dict[str, Any]]) -> Table:
 def throughput_table(rows: list[dict[str, Any]]) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p != "init"]
     config = _config_header(rows)
-    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share"]
+    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share %"]
     body = []
     for cell, runs in group(rows).items():
         ok = [r for r in runs if r["status"] == "ok"]
@@ -69,8 +69,7 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
         body.append(_config_cells(cell, config) + [str(len(ok))]
                     + [stat([r.get(f"tokens_per_s_{p}") for r in ok]).fmt() for p in phases]
                     + [stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
-                       stat([r.get("share_generation") for r in ok]).fmt(0.01, 0) + (
-                           " %" if any(r.get("share_generation") for r in ok) else "")])
+                       stat([r.get("share_generation") for r in ok]).fmt(0.01, 0)])
     return Table("throughput", "Throughput",
                  "Tokens/s per phase: real (non-pad) tokens summed over data-parallel replicas / the slowest "
                  "rank's time, warm-up steps excluded (time.perf_counter around each phase). Step samples/s: "
