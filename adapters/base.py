@@ -7,6 +7,7 @@ into its three phases (rollout generation, experience inference, training) so ea
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,7 +15,8 @@ from typing import Any
 import torch
 
 from bench.data import PreferenceBatch, PromptBatch, SFTBatch
-from bench.models import ParamCounts
+from bench.flops import Attention
+from bench.models import ParamCounts, model_config
 from bench.spec import RunSpec
 
 
@@ -24,6 +26,10 @@ class RankContext:
     world_size: int
     local_rank: int
     device: torch.device
+
+
+def _finite(value: float | None) -> bool:
+    return value is None or math.isfinite(value)
 
 
 @dataclass
@@ -37,6 +43,24 @@ class TrainOutput:
     skipped: dict[str, bool] = field(default_factory=dict)  # optimizer step skipped on overflow
     loss_scales: dict[str, float | None] = field(default_factory=dict)  # fp16 dynamic loss scale
     metrics: dict[str, float] = field(default_factory=dict)
+
+    def record(self, role: str, loss: float, grad_norm: float | None, skipped: bool,
+               loss_scale: float | None) -> None:
+        """One optimizer step of `role`. A phase that steps a role several times (PPO epochs, update passes)
+        keeps any skip and any non-finite loss or norm of every step; otherwise the last step's values."""
+        steps, skips = f"optimizer_steps/{role}", f"skipped_steps/{role}"
+        self.metrics[steps] = self.metrics.get(steps, 0) + 1
+        self.metrics[skips] = self.metrics.get(skips, 0) + int(skipped)
+        if role in self.losses:
+            if not _finite(self.losses[role]):
+                loss = self.losses[role]
+            if not _finite(self.grad_norms.get(role)):
+                grad_norm = self.grad_norms[role]
+            skipped = skipped or self.skipped[role]
+        self.losses[role] = loss
+        self.grad_norms[role] = grad_norm
+        self.skipped[role] = skipped
+        self.loss_scales[role] = loss_scale
 
 
 @dataclass
@@ -85,12 +109,14 @@ class ModelState:
     param_bytes: int
     optimizer_state_bytes: int
     trainable_param_bytes: int
+    accelerator_bytes: int = 0  # of parameters and optimizer state, the bytes on an accelerator (not the host)
 
     def as_dict(self) -> dict[str, int]:
         return {
             "param_bytes": self.param_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "trainable_param_bytes": self.trainable_param_bytes,
+            "accelerator_bytes": self.accelerator_bytes,
         }
 
 
@@ -155,6 +181,17 @@ class Adapter(ABC):
         """Which batch this rank draws: ranks that split one model (TP/PP) must see the same data."""
         return self.ctx.rank
 
+    def layout(self) -> dict[str, int]:
+        """This rank's coordinates in the parallel layout (data-parallel rank, and TP/PP ranks where used)."""
+        return {"data_parallel_rank": self.data_parallel_rank}
+
+    def attention(self) -> dict[str, Attention]:
+        """Per role, the attention layers a token crosses and their width (for the FLOPs formula). Every
+        role is the run's model unless an adapter says otherwise."""
+        config = model_config(self.spec.model)
+        shape = Attention(layers=config.num_hidden_layers, hidden=config.hidden_size)
+        return {role: shape for role in self.params()}
+
     @property
     def model_parallel_size(self) -> int:
         """Ranks one model replica is split over (TP x PP); each does 1/this of a replica's FLOPs."""
@@ -171,6 +208,10 @@ class Adapter(ABC):
 
     def notes(self) -> list[str]:
         """Facts a reader of the record must know (fallbacks taken, features unavailable here)."""
+        return []
+
+    def upstream_defects(self) -> list[dict[str, str]]:
+        """Known defects of the upstream engine this run hits: id, where, effect, and how the run handles it."""
         return []
 
     @abstractmethod

@@ -19,18 +19,23 @@ def model_state(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim
     Optimizer bytes are its state tensors plus master copies that are not the module's own tensors (the
     fp32 copies of mixed precision, ZeRO's shards); `optimizer` is the innermost torch optimizer."""
     module_ptrs = set()
-    param_bytes = trainable = 0
+    param_bytes = trainable = accelerator = 0
     for param in parameters:
         param_bytes += held(param)
         if param.requires_grad:
             trainable += held(param)
+        if param.device.type != "cpu":
+            accelerator += held(param)
         module_ptrs.add(param.data.data_ptr())
-    optimizer_bytes = 0
+    optimizer_tensors: list[torch.Tensor] = []
     if optimizer is not None and hasattr(optimizer, "state"):
         for state in optimizer.state.values():
-            optimizer_bytes += sum(tensor_bytes(v) for v in state.values() if torch.is_tensor(v) and v.dim())
+            optimizer_tensors += [v for v in state.values() if torch.is_tensor(v) and v.dim()]
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.data.data_ptr() not in module_ptrs and param.numel():
-                    optimizer_bytes += tensor_bytes(param.data)
-    return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable)
+                    optimizer_tensors.append(param.data)
+    optimizer_bytes = sum(tensor_bytes(t) for t in optimizer_tensors)
+    accelerator += sum(tensor_bytes(t) for t in optimizer_tensors if t.device.type != "cpu")
+    return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable,
+                      accelerator_bytes=accelerator)

@@ -7,13 +7,14 @@ rewritten after every stage, so a failing stage never loses the stages before it
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
 import os
 from typing import Any
 
-from bench.launcher import launch_stage
+from bench.launcher import launch_stage, remove_torn_writes
 from bench.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
 from bench.spec import LauncherSpec, RunSpec
 
@@ -32,20 +33,46 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     )
 
 
-def _cache_key(spec: RunSpec) -> str:
-    fields = {k: v for k, v in spec.to_dict().items()
-              if k in ("framework", "framework_options", "model", "batch", "prompt_len", "answer_len", "seed")}
-    fields["rm_steps"] = spec.steps["rm"]
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+def rm_cache_key(spec: RunSpec) -> str:
+    """What the prerequisite reward model depends on, and nothing else: the framework's options less those
+    only PPO (or LoRA, offload, fp16, which it never uses) reads, the model less the other stages' learning
+    rates, the data shape, the seed and the RM's steps. PPO cells that differ elsewhere share one RM."""
+    from adapters import registry
+
+    ignored = registry.options_class(spec.framework).prerequisite_rm_ignores
+    model = dict(spec.to_dict()["model"], lr={"rm": spec.model.lr["rm"]})
+    fields = {
+        "framework": spec.framework,
+        "framework_options": {k: v for k, v in spec.framework_options.items() if k not in ignored},
+        "model": model, "batch": spec.batch, "prompt_len": spec.prompt_len, "answer_len": spec.answer_len,
+        "seed": spec.seed, "rm_steps": spec.steps["rm"],
+    }
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _read_summary(path: str) -> dict[str, Any] | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
 
 
 def prerequisite_rm(spec: RunSpec, cache_dir: str, echo: bool) -> dict[str, Any]:
+    """The cached prerequisite RM, trained once. A lock per cache entry keeps parallel sweep cells (submitit,
+    several shells) from training it twice in one directory and deleting each other's files."""
     rm_spec = _prerequisite_rm_spec(spec)
-    directory = os.path.join(cache_dir, f"{spec.framework}-rm-{_cache_key(rm_spec)}")
+    directory = os.path.join(cache_dir, f"{spec.framework}-rm-{rm_cache_key(rm_spec)}")
     summary_path = os.path.join(directory, "summary.json")
-    if os.path.exists(summary_path):
-        with open(summary_path) as f:
-            return dict(json.load(f), cached=True)
+    os.makedirs(cache_dir, exist_ok=True)
+    with open(directory + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        summary = _read_summary(summary_path)
+        if summary is not None:
+            return dict(summary, cached=True)
+        return _train_prerequisite_rm(rm_spec, directory, summary_path, echo)
+
+
+def _train_prerequisite_rm(rm_spec: RunSpec, directory: str, summary_path: str, echo: bool) -> dict[str, Any]:
     log.info("stage=ppo without init.rm: training the prerequisite reward model in %s", directory)
     outcome = launch_stage(rm_spec, "rm", directory, {}, echo=echo)
     result = stage_record("rm", outcome.ranks, rm_spec.warmup_steps, outcome.wall_time_s, outcome.failure)
@@ -66,6 +93,7 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
                   echo: bool = True) -> ResultRecord:
     run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
+    remove_torn_writes(run_dir)
     record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config)
     record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.record import PHASE_ORDER, SCHEMA_VERSION
+from bench.record import PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 
 RECORD_NAME = "record.json"
 # Config keys that identify a cell in the tables; repeated runs of one cell aggregate to median/spread.
@@ -93,6 +93,18 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["peak_bytes"] = max(peaks) if peaks else None
     baselines = [b for b in memory.get("baseline_bytes_per_rank", []) if b is not None]
     row["baseline_bytes"] = max(baselines) if baselines else None
+    # What frameworks are compared on: growth over the post-import baseline, max over the work phases.
+    work = {p: e for p, e in (memory.get("phases") or {}).items() if p not in SETUP_PHASES}
+    growths = [e["growth_over_baseline_bytes"] for e in work.values()
+               if e.get("growth_over_baseline_bytes") is not None]
+    row["growth_bytes"] = max(growths) if growths else None
+    peak_phase = max(work, key=lambda p: work[p].get("peak_bytes") or 0) if work else None
+    parts = ((work[peak_phase].get("breakdown_bytes_per_rank") or [{}])[0] or {}) if peak_phase else {}
+    row["runtime_bytes_rank0"] = parts.get("runtime_bytes")
+    row["rest_at_peak_bytes_rank0"] = parts.get("rest_bytes")
+    row["upstream_defects"] = ", ".join(d["id"] + (" (fixed)" if "fixed by" in d.get("handling", "") else "")
+                                        for d in result.get("upstream_defects") or []) or None
+    row["cut_short"] = bool(result.get("cut_short"))
     throughput = result.get("throughput") or {}
     for phase, entry in (throughput.get("phases") or {}).items():
         row[f"tokens_per_s_{phase}"] = _number(entry.get("tokens_per_s_global"))

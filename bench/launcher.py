@@ -7,9 +7,11 @@ failure that says why there are none.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from bench.spec import RunSpec
 
 REPO = Path(__file__).resolve().parent.parent
 LOG_TAIL_LINES = 30
+# torchrun's failure summary names each failed rank with its exit code; -9 is SIGKILL.
+_KILLED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*-9\b")
 
 
 @dataclass
@@ -49,6 +53,34 @@ def _env(spec: RunSpec) -> dict[str, str]:
     return env
 
 
+def sigkilled_ranks(log: str) -> list[int]:
+    """Ranks that torchrun reports as ended by SIGKILL (the kernel's OOM killer sends it)."""
+    return sorted({int(m.group(1)) for m in _KILLED_RANK.finditer(log)})
+
+
+def missing_ranks_failure(expected: int, present: list[int], returncode: int | None, log: str) -> dict[str, Any]:
+    """Why ranks wrote no result: a rank killed by SIGKILL without a word is, on a training node, almost
+    always the kernel's OOM killer, so the stage is `oom` (and a sweep's OOM back-stop fires); else `error`."""
+    missing = sorted(set(range(expected)) - set(present))
+    killed = [r for r in sigkilled_ranks(log) if r in missing]
+    if killed:
+        return {"status": "oom", "error": {
+            "message": f"rank(s) {killed} ended by SIGKILL and wrote no result: the kernel's OOM killer "
+                       f"(host memory exhausted) sends SIGKILL; {len(missing)} of {expected} ranks missing",
+            "phase": None, "killed_ranks": killed}}
+    tail = "".join(log.splitlines(keepends=True)[-LOG_TAIL_LINES:])
+    return {"status": "error", "error": {
+        "message": f"{len(missing)} of {expected} ranks wrote no result (exit code {returncode}); log tail:\n{tail}",
+        "phase": None}}
+
+
+def remove_torn_writes(directory: str) -> None:
+    """A write killed midway (SIGKILL, power) leaves a `.tmp-*` file behind write_json's atomic rename."""
+    for stale in glob.glob(os.path.join(directory, ".tmp-*")):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+
+
 def _pump(stream, log, echo: bool) -> None:
     for chunk in iter(lambda: stream.read1(4096), b""):
         log.write(chunk)
@@ -58,10 +90,10 @@ def _pump(stream, log, echo: bool) -> None:
             sys.stderr.flush()
 
 
-def _log_tail(path: str) -> str:
+def _read_log(path: str) -> str:
     try:
         with open(path, errors="replace") as f:
-            return "".join(f.readlines()[-LOG_TAIL_LINES:])
+            return f.read()
     except OSError:
         return ""
 
@@ -72,6 +104,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     os.makedirs(stage_dir, exist_ok=True)
     for stale in glob.glob(os.path.join(stage_dir, "rank*.json")):
         os.unlink(stale)
+    remove_torn_writes(stage_dir)
     spec_path = os.path.join(stage_dir, "spec.json")
     write_json(spec_path, spec.to_dict())
     cmd = [
@@ -106,10 +139,8 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
         with open(path) as f:
             ranks.append(json.load(f))
     if failure is None and len(ranks) < spec.launcher.nproc:
-        failure = {"status": "error", "error": {
-            "message": f"{spec.launcher.nproc - len(ranks)} of {spec.launcher.nproc} ranks wrote no result "
-                       f"(exit code {returncode}); log tail:\n{_log_tail(log_path)}",
-            "phase": None}}
+        failure = missing_ranks_failure(spec.launcher.nproc, [r["rank"] for r in ranks], returncode,
+                                        _read_log(log_path))
     return StageOutcome(ranks=ranks, wall_time_s=wall, failure=failure)
 
 

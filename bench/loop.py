@@ -6,12 +6,16 @@ way whatever the framework; the adapter's outputs feed the stability tracker and
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from adapters.base import Adapter, TrainOutput
+import torch
+import torch.distributed as dist
+
+from adapters.base import Adapter, Rollout, TrainOutput
 from bench.data import SyntheticData
-from bench.flops import phase_flops
+from bench.flops import Attention, phase_flops
+from bench.models import ParamCounts
 from bench.spec import RunSpec
 from bench.trackers.phases import PhaseTracker
 from bench.trackers.stability import StabilityTracker
@@ -39,6 +43,21 @@ def _train_values(out: TrainOutput) -> dict[str, float | None]:
     return values
 
 
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is True on any: decisions that end a stage (stop, diverged, skip the
+    save) must be taken together, or a rank left alone in a collective waits until the timeout."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    flags = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return bool(flags.item())
+
+
+def _generation_context(rollout: Rollout) -> float:
+    """Mean context of a token while generating with a KV cache: the prompt width plus half the answer."""
+    return rollout.prompt_len + (rollout.sequences.shape[1] - rollout.prompt_len) / 2
+
+
 class StageLoop:
     def __init__(self, adapter: Adapter, spec: RunSpec, tracker: PhaseTracker, data: SyntheticData,
                  observers: Sequence[StepObserver] = ()) -> None:
@@ -47,8 +66,17 @@ class StageLoop:
         self.tracker = tracker
         self.data = data
         self.observers = observers
+        self.steps: list[dict[str, Any]] = []
+        self.learning: dict[str, Any] = {}
+        self.stability: StabilityTracker | None = None
+        self._roles: dict[str, tuple[str, ...]] = {}
+        self._counts: dict[str, ParamCounts] = {}
+        self._attention: dict[str, Attention] = {}
 
-    def _measure(self, phase: str, step: int, roles: dict[str, tuple[str, ...]], params: dict[str, int], work):
+    def _measure(self, phase: str, step: int, work: Callable[[], Any],
+                 context: float | Callable[[Any], float] | None = None):
+        """Runs `work` as one measured phase; `context` (or a function of the result) is the sequence width
+        its tokens attend over, for the FLOPs formula."""
         with self.tracker.phase(phase, step) as sample:
             result = work()
             tokens = getattr(result, "tokens", None)
@@ -60,80 +88,96 @@ class StageLoop:
                 sample["bytes_moved"] = result["bytes_moved"]
             if hasattr(result, "generated_tokens"):
                 sample["generated_tokens"] = result.generated_tokens
-            flops = phase_flops(phase, roles[phase], params, tokens) if phase in roles else None
+            flops = None
+            if phase in self._roles and context is not None:
+                width = context(result) if callable(context) else context
+                flops = phase_flops(phase, self._roles[phase], self._counts, self._attention, tokens, width)
+                sample["context_tokens"] = width
             sample["flops"] = flops / self.adapter.model_parallel_size if flops is not None else None
         return result
 
+    def partial(self) -> dict[str, Any]:
+        """What the stage measured so far (a run cut short keeps it)."""
+        partial: dict[str, Any] = {"steps": self.steps, "learning": self.learning}
+        if self.stability is not None:
+            partial["stability"] = self.stability.summary()
+        return partial
+
     def run(self, stage: str, init: dict[str, str]) -> dict[str, Any]:
-        roles = self.adapter.phase_roles[stage]
+        self._roles = self.adapter.phase_roles[stage]
         with self.tracker.phase("init"):
             self.adapter.setup(stage, init)
-        counts = self.adapter.params()
-        compute = {role: c.compute for role, c in counts.items()}
-        stability = StabilityTracker(self.spec.stability.stop_after_nonfinite, self.spec.stability.skip_storm_len)
-        steps: list[dict[str, Any]] = []
-        learning: dict[str, Any] = {}
+        self._counts = self.adapter.params()
+        self._attention = self.adapter.attention()
+        self.stability = StabilityTracker(self.spec.stability.stop_after_nonfinite,
+                                          self.spec.stability.skip_storm_len, self.spec.stability.skip_rate_storm)
         if stage == "rm":
-            learning["accuracy_start"] = self._rm_eval(roles, compute, step=-1)
+            self.learning["accuracy_start"] = self._rm_eval(step=-1)
         n_steps = self.spec.steps[stage]
         for observer in self.observers:
             observer.start(stage, n_steps)
+        device = self.tracker.device
         for step in range(n_steps):
             try:
-                record = self._step(stage, step, roles, compute)
+                record = self._step(stage, step)
             except Exception as err:  # the engine giving up on fp16 is a measured outcome, not a crash
                 if MIN_SCALE_MESSAGE not in str(err):
                     raise
-                stability.abort(str(err), step)
+                self.stability.abort(str(err), step)
                 self.tracker.current_phase = None
-                break
-            stop = stability.observe(step, record.pop("_values"), record.pop("_skipped"), record.pop("_scales"))
-            steps.append(record)
-            for observer in self.observers:
-                observer.advance(record)
-            if stop:
+                record = None
+            stop = True
+            if record is not None:
+                stop = self.stability.observe(step, record.pop("_values"), record.pop("_skipped"),
+                                              record.pop("_scales"))
+                self.steps.append(record)
+                for observer in self.observers:
+                    observer.advance(record)
+            if any_rank(stop, device):
                 break
         for observer in self.observers:
             observer.stop()
         if stage == "rm":
-            learning["accuracy_end"] = self._rm_eval(roles, compute, step=len(steps))
+            self.learning["accuracy_end"] = self._rm_eval(step=len(self.steps))
+        summary = self.stability.summary()
         return {
-            "params": {role: c.as_dict() for role, c in counts.items()},
+            "params": {role: c.as_dict() for role, c in self._counts.items()},
             "model_state": {role: s.as_dict() for role, s in self.adapter.model_state().items()},
-            "stability": stability.summary(),
-            "steps": steps,
-            "learning": learning,
+            "stability": summary,
+            "diverged_any_rank": any_rank(summary["classification"] == "diverged", device),
+            "steps": self.steps,
+            "learning": self.learning,
         }
 
-    def _rm_eval(self, roles, compute, step: int) -> float:
+    def _rm_eval(self, step: int) -> float:
         def work():
             batches = [self.data.preferences(i, stage="eval") for i in range(EVAL_BATCHES)]
             accuracy = sum(self.adapter.rm_accuracy(b) for b in batches) / len(batches)
-            return {"tokens": sum(b.real_tokens for b in batches), "samples": 0, "accuracy": accuracy}
+            return {"tokens": sum(b.real_tokens for b in batches), "samples": 0, "accuracy": accuracy,
+                    "width": batches[0].chosen_ids.shape[1]}
 
-        return self._measure("evaluation", step, roles, compute, work)["accuracy"]
+        return self._measure("evaluation", step, work, lambda result: result["width"])["accuracy"]
 
-    def _shuttle(self, direction: str, step: int, roles, compute) -> None:
+    def _shuttle(self, direction: str, step: int) -> None:
         if self.adapter.shuttles_models:
-            self._measure(direction, step, roles, compute,
-                          lambda: {"tokens": None, "samples": None, **self.adapter.shuttle(direction)})
+            self._measure(direction, step, lambda: {"tokens": None, "samples": None, **self.adapter.shuttle(direction)})
 
-    def _step(self, stage: str, step: int, roles, compute) -> dict[str, Any]:
+    def _step(self, stage: str, step: int) -> dict[str, Any]:
         record: dict[str, Any] = {"step": step}
         if stage == "sft":
             batch = self.data.sft(step)
-            out = self._measure("training", step, roles, compute, lambda: self.adapter.sft_step(batch))
+            out = self._measure("training", step, lambda: self.adapter.sft_step(batch), batch.input_ids.shape[1])
         elif stage == "rm":
             batch = self.data.preferences(step)
-            out = self._measure("training", step, roles, compute, lambda: self.adapter.rm_step(batch))
+            out = self._measure("training", step, lambda: self.adapter.rm_step(batch), batch.chosen_ids.shape[1])
         else:
             prompts = self.data.prompts(step)
-            self._shuttle("onload", step, roles, compute)
-            rollout = self._measure("generation", step, roles, compute, lambda: self.adapter.generate(prompts))
-            experience = self._measure("experience", step, roles, compute,
-                                       lambda: self.adapter.make_experience(rollout))
-            self._shuttle("offload", step, roles, compute)
-            out = self._measure("training", step, roles, compute, lambda: self.adapter.ppo_train(experience))
+            self._shuttle("onload", step)
+            rollout = self._measure("generation", step, lambda: self.adapter.generate(prompts), _generation_context)
+            width = rollout.sequences.shape[1]
+            experience = self._measure("experience", step, lambda: self.adapter.make_experience(rollout), width)
+            self._shuttle("offload", step)
+            out = self._measure("training", step, lambda: self.adapter.ppo_train(experience), width)
             answers, mask = rollout.answers
             record.update(
                 reward=experience.reward, kl=experience.kl, value=experience.value,

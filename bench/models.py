@@ -20,9 +20,11 @@ class ParamCounts:
     total: int  # unique parameters (tied weights once)
     trainable: int
     compute: int  # parameters a token's forward pass multiplies through: total minus position tables
+    compute_trainable: int = 0  # of `compute`, those that train (their backward also forms weight gradients)
 
     def as_dict(self) -> dict[str, int]:
-        return {"total": self.total, "trainable": self.trainable, "compute": self.compute}
+        return {"total": self.total, "trainable": self.trainable, "compute": self.compute,
+                "compute_trainable": self.compute_trainable}
 
 
 def gpt2_config(model: ModelSpec) -> GPT2Config:
@@ -67,15 +69,17 @@ def build_causal_lm(model: ModelSpec, dtype: torch.dtype = torch.float32) -> tor
 
 def count_params(module: torch.nn.Module) -> ParamCounts:
     seen: dict[int, torch.nn.Parameter] = {}
-    positional = 0
+    positional = positional_trainable = 0
     for name, param in module.named_parameters(remove_duplicate=True):
         numel = _full_numel(param)
         seen[id(param)] = param
         if name.endswith("wpe.weight") or "position_embeddings" in name:
             positional += numel
+            positional_trainable += numel if param.requires_grad else 0
     total = sum(_full_numel(p) for p in seen.values())
     trainable = sum(_full_numel(p) for p in seen.values() if p.requires_grad)
-    return ParamCounts(total=total, trainable=trainable, compute=total - positional)
+    return ParamCounts(total=total, trainable=trainable, compute=total - positional,
+                       compute_trainable=trainable - positional_trainable)
 
 
 def _full_numel(param: torch.nn.Parameter) -> int:

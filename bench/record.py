@@ -18,10 +18,15 @@ from typing import Any
 
 from bench.flops import FORMULA
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: growth over the post-import baseline, an `imports` phase, CUDA peaks on allocated bytes
 STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")
+# When ranks disagree, the most telling failure names the stage: an OOM on one rank with a knock-on error on
+# another is an OOM (and the sweep's OOM back-stop fires).
+STATUS_PRECEDENCE = ("oom", "nan", "timeout", "unsupported", "error")
 _CLASS_ORDER = ("stable", "recovered", "skip-storm", "diverged")
-PHASE_ORDER = ("init", "onload", "generation", "experience", "offload", "training", "evaluation")
+PHASE_ORDER = ("imports", "init", "onload", "generation", "experience", "offload", "training", "evaluation")
+SETUP_PHASES = ("imports", "init")  # run once per stage: time and memory, no per-step throughput
+_NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
 def _jsonable(value: Any) -> Any:
@@ -70,6 +75,9 @@ class StageRecord:
     learning: dict[str, Any] = field(default_factory=dict)
     steps: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    upstream_defects: list[dict[str, str]] = field(default_factory=list)
+    layout_per_rank: list[dict[str, int]] = field(default_factory=list)
+    cut_short: dict[str, Any] | None = None
     checkpoint: str | None = None
 
 
@@ -94,14 +102,51 @@ class ResultRecord:
 
 
 def _num(value: Any) -> float | None:
+    """A number, including the non-finite values JSON stores as strings ("nan", "inf", "-inf")."""
+    if isinstance(value, str):
+        return _NON_FINITE.get(value)
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _mean(values: list[Any]) -> Any:
+    """Mean over ranks; a non-finite value on any rank makes the mean non-finite (it must not vanish)."""
     numbers = [v for v in (_num(x) for x in values) if v is not None]
     if not numbers:
         return values[0] if values else None
-    return statistics.fmean(numbers) if all(math.isfinite(n) for n in numbers) else float("nan")
+    if all(math.isfinite(n) for n in numbers):
+        return statistics.fmean(numbers)
+    return next(n for n in numbers if math.isnan(n)) if any(math.isnan(n) for n in numbers) else sum(numbers)
+
+
+def merge_status(statuses: list[str]) -> str:
+    """The stage's status from its ranks' (and the launcher's) by STATUS_PRECEDENCE; "ok" only if all are."""
+    failed = [s for s in statuses if s != "ok"]
+    if not failed:
+        return "ok"
+    return min(failed, key=lambda s: STATUS_PRECEDENCE.index(s) if s in STATUS_PRECEDENCE else len(STATUS_PRECEDENCE))
+
+
+def _state_bytes(rank: dict[str, Any]) -> int:
+    """Model-state bytes this rank's engines hold where phases are measured: on the accelerator under CUDA,
+    all of it (parameters and optimizer state) on the CPU."""
+    on_cuda = str(rank.get("device", "cpu")).startswith("cuda")
+    total = 0
+    for state in rank.get("model_state", {}).values():
+        total += state.get("accelerator_bytes", 0) if on_cuda else state["param_bytes"] + state["optimizer_state_bytes"]
+    return total
+
+
+def _breakdown(peak: int | None, rank: dict[str, Any]) -> dict[str, int | None]:
+    start, baseline = rank.get("process_start_bytes"), rank.get("baseline_bytes")
+    if peak is None or start is None or baseline is None:
+        return {}
+    state = _state_bytes(rank) if rank.get("model_state") else None
+    return {
+        "process_start_bytes": start,
+        "runtime_bytes": baseline - start,
+        "model_state_bytes": state,
+        "rest_bytes": peak - baseline - (state or 0),
+    }
 
 
 def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -109,21 +154,22 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     names = [p for p in PHASE_ORDER if any(s["phase"] == p for r in ranks for s in r.get("phase_samples", []))]
     for phase in names:
         per_rank: dict[str, list[int | None]] = {}
-        for key in ("peak_bytes", "host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes",
-                    "nvml_process_bytes", "end_bytes"):
+        for key in ("peak_bytes", "host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "end_bytes"):
             per_rank[key] = []
             for r in ranks:
                 values = [s[key] for s in r.get("phase_samples", []) if s["phase"] == phase and s.get(key) is not None]
                 per_rank[key].append(max(values) if values else None)
         peaks = [p for p in per_rank["peak_bytes"] if p is not None]
-        growth = [p - r["baseline_bytes"] for p, r in zip(per_rank["peak_bytes"], ranks, strict=True) if p is not None]
+        growth = [p - r["baseline_bytes"] for p, r in zip(per_rank["peak_bytes"], ranks, strict=True)
+                  if p is not None and r.get("baseline_bytes") is not None]
         entry = {
             "peak_bytes": max(peaks) if peaks else None,
             "peak_bytes_per_rank": per_rank["peak_bytes"],
             "growth_over_baseline_bytes": max(growth) if growth else None,
             "end_bytes_per_rank": per_rank["end_bytes"],
+            "breakdown_bytes_per_rank": [_breakdown(p, r) for p, r in zip(per_rank["peak_bytes"], ranks, strict=True)],
         }
-        for key in ("host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes", "nvml_process_bytes"):
+        for key in ("host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes"):
             values = [v for v in per_rank[key] if v is not None]
             if values and (key != "host_peak_bytes" or ranks[0].get("device", "cpu").startswith("cuda")):
                 entry[key] = max(values)
@@ -135,17 +181,30 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             if s.get("step") is not None and s["step"] >= 0:
                 key = (s["phase"], s["step"])
                 timeline[key] = max(timeline.get(key, 0), s["peak_bytes"])
-    return {
+    memory = {
         "method": ranks[0].get("memory_method"),
         "unit": "bytes",
         "aggregate": "max over ranks of the max over steps (per-rank values alongside)",
+        "process_start_bytes_per_rank": [r.get("process_start_bytes") for r in ranks],
         "baseline_bytes_per_rank": [r.get("baseline_bytes") for r in ranks],
-        "baseline_definition": ("process memory at worker start: after importing torch and transformers, "
-                                "before the framework is imported and before any model is built"),
+        "baseline_definition": ("after the `imports` phase: the framework's engine libraries imported, their JIT "
+                                "ops loaded and its process groups started, before any model is built; "
+                                "growth_over_baseline_bytes (what frameworks are compared on) is measured from "
+                                "here, so no difference between runs comes from which libraries they import"),
+        "breakdown_definition": ("per rank and phase: process_start (torch and transformers imported), runtime "
+                                 "(the `imports` phase: engine libraries, JIT ops, process groups), model_state "
+                                 "(parameters and optimizer states read from the engines' tensors after the last "
+                                 "step; on CUDA only those on the GPU) and rest = peak - baseline - model_state "
+                                 "(activations, gradients, caches, logits, communication buckets, allocator "
+                                 "slack); they add up to the phase's peak"),
         "phases": phases,
         "timeline": [{"phase": p, "step": s, "peak_bytes": b} for (p, s), b in sorted(timeline.items(),
                                                                                     key=lambda kv: kv[0][1])],
     }
+    outside = [r.get("outside_allocator") for r in ranks]
+    if any(o and "not_available" not in o for o in outside):
+        memory["outside_allocator_per_rank"] = outside
+    return memory
 
 
 def _one_per_replica(per_rank: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -159,8 +218,8 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     names = [p for p in PHASE_ORDER if any(s["phase"] == p for r in ranks for s in r.get("phase_samples", []))]
     for phase in names:
-        if phase == "init":
-            times = [sum(s["time_s"] for s in r["phase_samples"] if s["phase"] == "init") for r in ranks]
+        if phase in SETUP_PHASES:
+            times = [sum(s["time_s"] for s in r.get("phase_samples", []) if s["phase"] == phase) for r in ranks]
             phases[phase] = {"time_s": max(times), "time_s_per_rank": times}
             continue
         per_rank = []
@@ -196,7 +255,7 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "samples_per_s_global": sum(p["samples"] for p in _one_per_replica(per_rank)) / slowest,
             "tflops_per_s_per_rank": [p["flops"] / p["time_s"] / 1e12 for p in per_rank],
         }
-    step_phases = [p for p in phases if p not in ("init", "evaluation")]
+    step_phases = [p for p in phases if p not in (*SETUP_PHASES, "evaluation")]
     total = sum(phases[p]["time_s_per_step"] for p in step_phases)
     return {
         "time_method": ranks[0].get("time_method"),
@@ -268,9 +327,15 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
                  failure: dict[str, Any] | None = None) -> StageRecord:
     """Merge the per-rank results of one stage. `failure` is the launcher's view when ranks are missing
     or the process tree died or timed out."""
-    bad = [r for r in ranks if r.get("status") != "ok"]
-    status = (failure or {}).get("status") or (bad[0]["status"] if bad else "ok")
-    error = (failure or {}).get("error") or (dict(bad[0]["error"], rank=bad[0]["rank"]) if bad else None)
+    statuses = [r.get("status", "error") for r in ranks] + ([failure["status"]] if failure else [])
+    status = merge_status(statuses)
+    error = None
+    if status != "ok":
+        if failure and failure["status"] == status:
+            error = failure["error"]
+        else:
+            first = next(r for r in sorted(ranks, key=lambda r: r["rank"]) if r.get("status") == status)
+            error = dict(first["error"], rank=first["rank"])
     record = StageRecord(status=status, error=error, ranks=len(ranks), wall_time_s=wall_time_s)
     if not ranks:
         return record
@@ -291,5 +356,10 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.steps = _steps(ranks)
     record.learning = _learning(stage, record.steps, ranks)
     record.notes = ranks[0].get("notes", [])
+    record.upstream_defects = ranks[0].get("upstream_defects", [])
+    record.layout_per_rank = [r.get("layout", {}) for r in ranks]
+    cut = [dict(r["cut_short"], rank=r["rank"]) for r in ranks if r.get("cut_short")]
+    if cut:
+        record.cut_short = {"ranks": cut, "meaning": "ranks stopped by SIGTERM; figures cover the steps done"}
     record.checkpoint = ranks[0].get("checkpoint")
     return record

@@ -7,6 +7,7 @@ message names the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +84,8 @@ class ModelSpec:
         _int("model.vocab", self.vocab, MIN_VOCAB)
         if self.hidden % self.heads:
             raise SpecError(f"model.heads={self.heads} must divide model.hidden={self.hidden}")
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
+            raise SpecError(f"model.dropout={self.dropout!r} must be a number in [0, 1)")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"model.dropout={self.dropout} must be in [0, 1)")
         missing = {"sft", "rm", "actor", "critic"} - set(self.lr)
@@ -110,16 +113,27 @@ class LauncherSpec:
 class StabilitySpec:
     stop_after_nonfinite: int = 5
     skip_storm_len: int = 5
+    skip_rate_storm: float = 0.25
 
     def __post_init__(self) -> None:
         _int("stability.stop_after_nonfinite", self.stop_after_nonfinite, 1)
         _int("stability.skip_storm_len", self.skip_storm_len, 2)
+        if isinstance(self.skip_rate_storm, bool) or not isinstance(self.skip_rate_storm, (int, float)) \
+                or not 0 < self.skip_rate_storm <= 1:
+            raise SpecError(f"stability.skip_rate_storm={self.skip_rate_storm!r} must be a number in (0, 1]")
 
 
 @dataclass(frozen=True)
 class InitSpec:
     sft: str | None = None
     rm: str | None = None
+
+    def __post_init__(self) -> None:
+        for key in ("sft", "rm"):
+            path = getattr(self, key)
+            if path is not None and not (isinstance(path, str) and os.path.isfile(path)):
+                raise SpecError(f"init.{key}={path!r} is not a file; give the checkpoint file a stage saved "
+                                f"(<run>/{key}/checkpoint/*.pt) or leave it null")
 
 
 @dataclass(frozen=True)

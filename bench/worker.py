@@ -10,6 +10,7 @@ import argparse
 import faulthandler
 import json
 import os
+import signal
 import sys
 import traceback
 from typing import Any
@@ -28,6 +29,14 @@ from bench.step_log import WandbSteps
 from bench.trackers.phases import PhaseTracker
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
+
+
+class CutShort(BaseException):  # noqa: N818 -- not an error of the run: a signal from outside
+    """SIGTERM arrived (the launcher's timeout, a cluster's pre-emption): write what was measured, then exit."""
+
+
+def _raise_cut_short(signum: int, _frame) -> None:
+    raise CutShort(f"cut short by {signal.Signals(signum).name}")
 
 
 def resolve_device(requested: str, local_rank: int) -> torch.device:
@@ -61,50 +70,60 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     result: dict[str, Any] = {"rank": rank, "world_size": world, "stage": stage, "status": "ok", "error": None}
     tracker = None
     adapter = None
+    loop = None
     observers: list[StepObserver] = []
     try:
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device)
-        result.update(
-            device=str(device),
-            baseline_bytes=tracker.memory.current_bytes(),
-            memory_method=tracker.memory.method,
-            time_method=tracker.time_method,
-        )
+        result.update(process_start_bytes=tracker.memory.current_bytes(), memory_method=tracker.memory.method,
+                      time_method=tracker.time_method)
         if rank == 0:
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
-        adapter = registry.adapter_class(spec.framework)(spec, ctx)
+        # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
+        # before it builds a model. Growth is measured from here, so frameworks compare on their own work.
+        with tracker.phase("imports"):
+            adapter = registry.adapter_class(spec.framework)(spec, ctx)
+        result["baseline_bytes"] = tracker.memory.current_bytes()
         result["data_parallel_rank"] = adapter.data_parallel_rank
+        result["layout"] = adapter.layout()
         data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
                              adapter.data_parallel_rank)
         if rank == 0:
             observers.append(StepProgress())
             if spec.wandb != "off":
                 observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
-        result.update(StageLoop(adapter, spec, tracker, data, observers).run(stage, init))
+        loop = StageLoop(adapter, spec, tracker, data, observers)
+        result.update(loop.run(stage, init))
         result["notes"] = adapter.notes()
+        result["upstream_defects"] = adapter.upstream_defects()
         stability = result["stability"]
-        if stability["classification"] == "diverged":
+        if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
             result["status"] = "nan"
             reason = stability["aborted"] or (
                 f"non-finite {stability['first_nonfinite_metric']} from step {stability['first_nonfinite_step']}"
+                if stability["classification"] == "diverged" else "another rank diverged"
             )
             result["error"] = {"message": reason, "phase": "training"}
         else:
             result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
+        result["outside_allocator"] = tracker.memory.outside_allocator()
     except BaseException as err:  # noqa: BLE001 -- every failure must become a record
         result["status"] = classify(err)
         phase = tracker.current_phase if tracker is not None else "startup"
         result["error"] = {"message": f"{type(err).__name__}: {err}", "phase": phase,
                            "traceback": traceback.format_exc(limit=20)}
+        if isinstance(err, CutShort):
+            result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0}
+            if loop is not None:
+                result.update(loop.partial())
         print(result["error"]["traceback"], file=sys.stderr)
     finally:
         for observer in observers:  # after a failure too: wandb must close its run files
             observer.stop()
         if tracker is not None:
             result["phase_samples"] = tracker.samples
-        if adapter is not None:
+        if adapter is not None and "cut_short" not in result:  # a cut-short rank must not wait on its peers
             try:
                 adapter.close()
             except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
@@ -114,6 +133,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
 
 def main(argv: list[str] | None = None) -> int:
     faulthandler.enable()
+    signal.signal(signal.SIGTERM, _raise_cut_short)
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("spec")
     parser.add_argument("stage_dir")
@@ -125,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = RunSpec.from_dict(json.load(f))
     init = {k: v for k, v in (("sft", args.init_sft), ("rm", args.init_rm)) if v}
     result = run_rank(spec, args.stage, args.stage_dir, init)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what was measured is written whatever arrives now
     write_json(os.path.join(args.stage_dir, f"rank{result['rank']}.json"), result)
     return 0
 

@@ -41,6 +41,11 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("pp=0", ["pp=0", ">= 1"]),
         ("plugin=3d", ["plugin='3d' is a colossalai knob"]),
         ("wandb=maybe", ["wandb='maybe'", "off, online, offline"]),
+        ("model.dropout=abc", ["model.dropout='abc'", "a number in [0, 1)"]),
+        ("init.sft=/no/such/sft.pt", ["init.sft='/no/such/sft.pt' is not a file"]),
+        ("init.rm=/no/such/rm.pt", ["init.rm='/no/such/rm.pt' is not a file"]),
+        ("stability.skip_rate_storm=2", ["stability.skip_rate_storm=2", "(0, 1]"]),
+        ("framework.fix_fp16_zero0_loss_scale=maybe", ["framework.fix_fp16_zero0_loss_scale='maybe'"]),
     ],
 )
 def test_bad_values_are_named_with_the_allowed_ones(override, expected):
@@ -119,7 +124,8 @@ def test_colossalai_auto_plugin_follows_the_config_table():
     assert plugin("tp=2", "launcher.nproc=2") == ("3d", "HybridParallelPlugin")
 
 
-@pytest.mark.parametrize("override", ["zero=5", "precision=fp8", "lora=-1"])
+@pytest.mark.engine
+@pytest.mark.parametrize("override", ["zero=5", "model.dropout=abc", "init.sft=/no/such/sft.pt"])
 def test_cli_rejects_bad_override_without_launching(override, tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", override, f"output_root={tmp_path}"],
@@ -147,6 +153,7 @@ def test_stage_lr_override_applies_to_the_main_role_only():
     assert s.stage_lr("critic") == s.model.lr["critic"]
 
 
+@pytest.mark.engine
 def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "-m", "stage=sft", "offload=true", "zero=0,1", "steps=3",
@@ -159,3 +166,31 @@ def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
     assert by_zero[0]["status"] == "unsupported" and "offload=true needs zero >= 1" in by_zero[0]["error"]["message"]
     assert by_zero[1]["status"] == "ok", by_zero[1]["error"]
     assert by_zero[1]["stages"]["sft"]["model_state"]["actor"]["optimizer_state_bytes_per_rank"][0] > 0
+
+
+def test_the_prerequisite_rm_cache_key_holds_only_what_the_rm_stage_uses():
+    from bench.benchmark import rm_cache_key
+
+    base = rm_cache_key(spec())
+    for framework, ppo_only in (("dschat", "framework.ppo.kl_ctl=0.5"), ("colossalai", "framework.ppo.top_k=5"),
+                                ("trlx", "framework.num_layers_unfrozen=-1")):
+        mine = rm_cache_key(spec(f"framework={framework}"))
+        assert rm_cache_key(spec(f"framework={framework}", ppo_only)) == mine, framework
+        assert rm_cache_key(spec(f"framework={framework}", "model.lr.actor=0.5")) == mine
+        assert rm_cache_key(spec(f"framework={framework}", "model.lr.rm=0.5")) != mine
+    assert rm_cache_key(spec("seed=7")) != base and rm_cache_key(spec("batch=2")) != base
+    assert rm_cache_key(spec("framework.hybrid_engine=true")) == base
+
+
+def test_the_colossalai_precision_mixin_is_found_under_each_of_its_names():
+    import inspect
+    from types import SimpleNamespace
+
+    from adapters.colossalai.adapter import precision_mixin
+
+    # colossalai 0.5.0's GeminiOptimizer keeps it as `mix_precision_mixin` (read from the installed source)
+    gemini = pytest.importorskip("colossalai.zero.gemini.gemini_optimizer")
+    assert "self.mix_precision_mixin =" in inspect.getsource(gemini.GeminiOptimizer.__init__)
+    for name in ("mixed_precision_mixin", "mixed_precision", "mix_precision_mixin"):
+        mixin = SimpleNamespace(loss_scale=2.0**10)
+        assert precision_mixin(SimpleNamespace(**{name: mixin})) is mixin

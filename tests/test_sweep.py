@@ -94,6 +94,7 @@ def test_a_killed_sweep_resumes_with_only_the_missing_runs(tmp_path):
     assert "3/3 · ok 3 · failed 0 · skipped 0 · kept 1" in again.stderr
 
 
+@pytest.mark.engine
 def test_force_runs_a_finished_cell_again(tmp_path):
     first = sweep(tmp_path, "framework=trlx", "tp=2")  # invalid on 1 rank: a finished record, nothing launched
     assert first.returncode == 0
@@ -105,6 +106,7 @@ def test_force_runs_a_finished_cell_again(tmp_path):
     assert records(tmp_path)[cell]["created_utc"] != record["created_utc"]
 
 
+@pytest.mark.engine
 def test_oom_at_a_batch_skips_the_larger_batches_of_that_configuration(tmp_path):
     # The sweep holds a finished record that ran out of memory at batch 2 (as a worker writes it); the larger
     # batches of the same configuration are recorded as skipped without launching, smaller ones and other
@@ -139,3 +141,26 @@ def test_a_sweep_runs_through_the_submitit_local_launcher(tmp_path):
     assert found["framework=trlx,stage=sft,steps=2,tp=1,warmup_steps=1"]["status"] == "ok"
     assert found["framework=trlx,stage=sft,steps=2,tp=2,warmup_steps=1"]["status"] == "error"  # tp=2 on 1 rank
     assert glob.glob(str(tmp_path / "sweeps" / "s" / ".submitit" / "*" / "*_log.out"))
+
+
+@pytest.mark.engine
+def test_parallel_cells_train_the_prerequisite_reward_model_once(tmp_path):
+    """Two sweep cells that need the same prerequisite RM at once: one trains it, the other waits on the lock
+    and reads it (without the lock both trained in one directory, deleting each other's rank files)."""
+    import threading
+
+    from bench.benchmark import prerequisite_rm
+    from bench.config import compose
+    from bench.spec import spec_from_config
+
+    specs = [spec_from_config(compose(["framework.optimizer=torch_adamw", "stage_steps.rm=3", "warmup_steps=1",
+                                       f"framework.ppo.kl_ctl={kl}"])) for kl in (0.1, 0.2)]
+    results: list[dict] = []
+    threads = [threading.Thread(target=lambda s=s: results.append(prerequisite_rm(s, str(tmp_path), echo=False)))
+               for s in specs]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    assert sorted(r["cached"] for r in results) == [False, True], results
+    assert all(r["status"] == "ok" for r in results) and results[0]["checkpoint"] == results[1]["checkpoint"]

@@ -70,3 +70,111 @@ def test_cuda_phase_peak_reads_allocator_high_water_marks():
     assert alloc["allocated_peak_bytes"] - idle["allocated_peak_bytes"] >= 256 * MIB
     assert alloc["reserved_peak_bytes"] >= alloc["allocated_peak_bytes"]
     assert alloc["host_peak_bytes"] > 0 and "torch.cuda" in tracker.memory.method
+
+
+def _scaled(tracker: StabilityTracker, skips: list[bool]) -> dict:
+    """A dynamic loss scale as DeepSpeed keeps it: halved on every skip, otherwise unchanged."""
+    scale = 2.0**16
+    for step, skipped in enumerate(skips):
+        scale = scale / 2 if skipped else scale
+        tracker.observe(step, {"loss/actor": 1.0}, {"actor": skipped}, {"actor": scale})
+    return tracker.summary()
+
+
+@pytest.mark.parametrize(("skips", "expected"), [
+    ([True] * 3 + [False] * 17, "stable"),  # calibration: the scale only falls, at the start
+    ([True] * 15 + [False] * 5, "skip-storm"),  # 15 leading skips of 20 are no calibration
+    ([True] * 3, "skip-storm"),  # every step skipped: nothing was ever applied
+    ([step % 2 == 1 for step in range(10)], "skip-storm"),  # every other step: short runs, high rate
+    ([False] * 9 + [True], "recovered"),
+])
+def test_skip_rules(skips, expected):
+    summary = _scaled(StabilityTracker(stop_after_nonfinite=5, skip_storm_len=5, skip_rate_storm=0.25), skips)
+    assert summary["classification"] == expected, summary
+
+
+def test_calibration_ends_when_the_scale_stops_falling():
+    tracker = StabilityTracker(stop_after_nonfinite=5, skip_storm_len=5)
+    scales = [2.0**15, 2.0**14, 2.0**14]  # the third skip did not lower the scale: not calibration
+    for step in range(10):
+        skipped = step < 3
+        tracker.observe(step, {"loss": 1.0}, {"actor": skipped}, {"actor": scales[step] if step < 3 else 2.0**14})
+    summary = tracker.summary()
+    assert summary["calibration_skips"]["actor"] == 2 and summary["classification"] == "recovered"
+
+
+def test_cuda_phases_compare_on_allocated_bytes_not_the_cached_reserve(monkeypatch):
+    """The allocator API mocked: reserved stays at an earlier phase's 8 GiB, allocated shows this phase's 1 GiB."""
+    from bench.trackers import memory
+
+    gib = 1024**3
+    for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "max_memory_allocated": gib,
+                        "max_memory_reserved": 8 * gib, "memory_allocated": gib // 2,
+                        "memory_reserved": 8 * gib}.items():
+        monkeypatch.setattr(memory.torch.cuda, name, lambda *a, _v=value, **k: _v)
+    tracker = memory.MemoryTracker(torch.device("cuda", 0))
+    tracker.start()
+    reading = tracker.stop()
+    assert reading.peak_bytes == gib and reading.reserved_peak_bytes == 8 * gib
+    assert reading.end_bytes == gib // 2 and tracker.current_bytes() == gib // 2
+    assert "max_memory_allocated" in tracker.method
+
+
+class _FakeNvml:
+    """pynvml's API as far as the tracker uses it: handles only by UUID."""
+
+    def __init__(self, processes):
+        self.processes = processes
+        self.asked_uuid = None
+
+    def nvmlInit(self):  # noqa: N802 -- pynvml's names
+        pass
+
+    def nvmlDeviceGetHandleByUUID(self, uuid):  # noqa: N802
+        self.asked_uuid = uuid
+        return "handle"
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):  # noqa: N802
+        return self.processes
+
+
+def _nvml(monkeypatch, processes) -> tuple[object, _FakeNvml]:
+    import os
+    import sys
+    from types import SimpleNamespace
+
+    from bench.trackers import memory
+
+    fake = _FakeNvml([SimpleNamespace(pid=os.getpid() if pid == "self" else pid, usedGpuMemory=used)
+                      for pid, used in processes])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(memory.torch.cuda, "get_device_properties",
+                        lambda index: SimpleNamespace(uuid="6a1f-uuid-of-gpu-" + str(index)))
+    monkeypatch.setattr(memory.torch.cuda, "memory_reserved", lambda *a: 3 * MIB)
+    return memory, fake
+
+
+def test_nvml_is_read_by_uuid_and_reports_memory_outside_the_allocator(monkeypatch):
+    memory, fake = _nvml(monkeypatch, [(12345, 1), ("self", 10 * MIB)])
+    reading = memory.MemoryTracker(torch.device("cuda", 1)).outside_allocator()
+    assert fake.asked_uuid == "GPU-6a1f-uuid-of-gpu-1"
+    assert reading == {"nvml_process_bytes": 10 * MIB, "reserved_bytes": 3 * MIB, "outside_allocator_bytes": 7 * MIB}
+
+
+@pytest.mark.parametrize(("processes", "reason"), [
+    ([(12345, 1)], "no NVML process entry"),  # a container sees host PIDs
+    ([("self", None)], "usedGpuMemory is None"),  # MIG
+])
+def test_nvml_without_this_process_or_its_figure_is_not_available(monkeypatch, processes, reason):
+    memory, _ = _nvml(monkeypatch, processes)
+    reading = memory.MemoryTracker(torch.device("cuda", 0)).outside_allocator()
+    assert reason in reading["not_available"]
+
+
+def test_nvml_absent_is_not_available(monkeypatch):
+    import sys
+
+    from bench.trackers import memory
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
+    assert "pynvml not installed" in memory.MemoryTracker(torch.device("cuda", 0)).outside_allocator()["not_available"]

@@ -65,6 +65,7 @@ def test_fp16_overflow_skips_and_loss_scale_are_recorded(run_bench):
     assert stability["loss_scale_min"] < 2.0**16
 
 
+@pytest.mark.slow
 def test_ppo_with_every_layer_training_raises_the_reward_over_30_steps(run_bench):
     # num_layers_unfrozen=-1 is trlx's ModelConfig default (full reference copy). With default_ppo_config's
     # preset of 2 (hydra) only the top 2 of the tiny model's 4 blocks train, embeddings and the tied LM head

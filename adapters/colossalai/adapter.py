@@ -59,6 +59,14 @@ class ColossalAdapter(Adapter):
 
         self._booster_cls = Booster
         colossalai.launch_from_torch(seed=spec.seed)
+        if self.options.optimizer == "hybrid_adam":  # HybridAdam's kernels, JIT-built on first use
+            from colossalai.kernel.kernel_loader import CPUAdamLoader, FusedOptimizerLoader
+
+            CPUAdamLoader().load()
+            if ctx.device.type == "cuda":
+                FusedOptimizerLoader().load()
+        # The plugin builds the process-group mesh: the data-parallel rank is read from its own groups.
+        self._plugin = self._make_plugin()
         self.models: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
         self.boosters: dict[str, Any] = {}
@@ -78,10 +86,19 @@ class ColossalAdapter(Adapter):
 
     @property
     def data_parallel_rank(self) -> int:
-        # HybridParallelPlugin lays ranks out as (pp, dp, tp), tp fastest: a replica's tp ranks are adjacent.
-        tp, pp = self.spec.tp, self.spec.pp
-        dp = self.ctx.world_size // (tp * pp)
-        return (self.ctx.rank // tp) % dp
+        """This rank's index in its plugin's data-parallel group (colossalai 0.5.0 lays HybridParallelPlugin's
+        mesh out as (dp, pp, tp) by default; the groups are the truth, whatever the order). The other plugins
+        are data-parallel only."""
+        group = getattr(self._plugin, "dp_group", None)
+        return dist.get_group_rank(group, dist.get_rank()) if group is not None else self.ctx.rank
+
+    def layout(self) -> dict[str, int]:
+        layout = {"data_parallel_rank": self.data_parallel_rank}
+        for axis in ("pp", "tp"):
+            group = getattr(self._plugin, f"{axis}_group", None)
+            if group is not None:
+                layout[f"{axis}_rank"] = dist.get_group_rank(group, dist.get_rank())
+        return layout
 
     # ----------------------------------------------------------------- building
     def _make_plugin(self, custom_policy: Any = None):
@@ -158,7 +175,7 @@ class ColossalAdapter(Adapter):
         return self._make_plugin(custom_policy=get_autopolicy(build_backbone(self.spec.model)))
 
     def setup(self, stage: str, init: dict[str, str]) -> None:
-        plugin = self._make_plugin()
+        plugin = self._plugin
         if stage == "sft":
             model = self._lm(init.get("sft"))
             self._lora(model)
@@ -208,10 +225,9 @@ class ColossalAdapter(Adapter):
 
     # ----------------------------------------------------------------- stepping
     def _mixin(self, role: str):
-        optimizer = self.optimizers[role]
-        return getattr(optimizer, "mixed_precision_mixin", None) or getattr(optimizer, "mixed_precision", None)
+        return precision_mixin(self.optimizers[role])
 
-    def _step(self, role: str, out: TrainOutput) -> None:
+    def _step(self, role: str, loss: float, out: TrainOutput) -> None:
         """Step one optimizer and record its gradient norm (unscaled), overflow skip and loss scale."""
         optimizer = self.optimizers[role]
         mixin = self._mixin(role)
@@ -228,9 +244,7 @@ class ColossalAdapter(Adapter):
             norm = optimizer.get_grad_norm()
             # colossalai's ZeRO/AMP norms are of the loss-scaled gradients (their clip code divides it out)
             own_norm = float(norm) / scale if norm is not None else None
-        out.grad_norms[role] = None if skipped else own_norm
-        out.skipped[role] = skipped
-        out.loss_scales[role] = float(mixin.loss_scale) if fp16 else None
+        out.record(role, loss, None if skipped else own_norm, skipped, float(mixin.loss_scale) if fp16 else None)
 
     def _logits(self, role: str, **inputs: Any) -> tuple[torch.Tensor, Any]:
         """Full-vocabulary logits of an LM role. colossalai 0.5.0's GPT-2 policy builds its TP LM head with
@@ -276,8 +290,7 @@ class ColossalAdapter(Adapter):
             else:
                 loss = self.models["actor"](**inputs, use_cache=False).loss
             self._backward("actor", loss)
-        out.losses["actor"] = float(loss.detach())
-        self._step("actor", out)
+        self._step("actor", float(loss.detach()), out)
         return out
 
     def _pair_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,9 +305,8 @@ class ColossalAdapter(Adapter):
         chosen, rejected = self._pair_scores(batch)
         loss = -F.logsigmoid(chosen - rejected).mean()  # coati's LogSigLoss
         self._backward("reward", loss)
-        out = TrainOutput(losses={"reward": float(loss.detach())}, tokens=batch.real_tokens,
-                          samples=batch.chosen_ids.shape[0])
-        self._step("reward", out)
+        out = TrainOutput(losses={}, tokens=batch.real_tokens, samples=batch.chosen_ids.shape[0])
+        self._step("reward", float(loss.detach()), out)
         out.metrics["accuracy"] = float((chosen > rejected).float().mean())
         return out
 
@@ -401,9 +413,8 @@ class ColossalAdapter(Adapter):
             critic_loss = ppo.vf_coef * _value_loss(values, p["values"], p["advantages"], action_mask,
                                                      ppo.value_clip)
             self._backward("critic", critic_loss)
-            out.losses = {"actor": float(actor_loss.detach()), "critic": float(critic_loss.detach())}
-            self._step("actor", out)
-            self._step("critic", out)
+            self._step("actor", float(actor_loss.detach()), out)
+            self._step("critic", float(critic_loss.detach()), out)
             out.metrics["max_ratio"] = float(max_ratio)
             out.tokens += experience.tokens
             out.samples += experience.samples
@@ -451,6 +462,17 @@ class ColossalAdapter(Adapter):
         self.boosters.clear()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def precision_mixin(optimizer: Any) -> Any:
+    """The optimizer's mixed-precision helper (overflow flag, loss scale). colossalai 0.5.0 names it
+    `mixed_precision_mixin` in LowLevelZeroOptimizer, `mixed_precision` in the HybridParallel AMP wrapper and
+    `mix_precision_mixin` in GeminiOptimizer."""
+    for name in ("mixed_precision_mixin", "mixed_precision", "mix_precision_mixin"):
+        mixin = getattr(optimizer, name, None)
+        if mixin is not None:
+            return mixin
+    return None
 
 
 def _disable_dropout(model: torch.nn.Module) -> None:

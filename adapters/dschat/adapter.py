@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 from adapters.base import Adapter, Experience, ModelState, RankContext, Rollout, TrainOutput
-from adapters.dschat import ds_config
+from adapters.deepspeed_cpu import allow_fp16
+from adapters.dschat import ds_config, fp16_zero0
 from adapters.dschat.lora import convert_to_lora, fused_state_dict, only_optimize_lora
 from adapters.dschat.options import DSChatOptions
 from adapters.dschat.reward_model import RewardModel
@@ -41,7 +42,16 @@ class DSChatAdapter(Adapter):
         self.options = DSChatOptions.validate(spec)
         self.engines: dict[str, Any] = {}
         self._notes: list[str] = []
+        self._unscaled: dict[str, fp16_zero0.ClipWatch] = {}  # roles hit by the fp16 ZeRO-0 defect
         deepspeed.init_distributed()
+        fp16_note = allow_fp16(ctx.device, spec.precision)
+        if fp16_note:
+            self._notes.append(fp16_note)
+        # The optimizer's JIT op is built and loaded now, inside the measured `imports` phase.
+        if self.options.optimizer == "fused_adam":
+            from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder
+
+            (CPUAdamBuilder if spec.offload else FusedAdamBuilder)().load()
 
     # ----------------------------------------------------------------- building
     def _zero3(self, config: dict[str, Any]):
@@ -132,6 +142,10 @@ class DSChatAdapter(Adapter):
         engine, *_ = self.ds.initialize(model=model, optimizer=self._optimizer(model, lr), config=config)
         return engine
 
+    def _watch_fp16_defect(self, role: str) -> None:
+        if fp16_zero0.affected(self.engines[role]):
+            self._unscaled[role] = fp16_zero0.ClipWatch(self.engines[role].optimizer)
+
     def _eval_engine(self, model: torch.nn.Module):
         config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size)
         engine, *_ = self.ds.initialize(model=model, config=config)
@@ -144,14 +158,21 @@ class DSChatAdapter(Adapter):
             model = self._build_lm(config, init.get("sft"))
             self._apply_lora(model, config, ())
             self.engines["actor"] = self._train_engine(model, self.spec.stage_lr("sft"), config, self.spec.grad_ckpt)
+            self._watch_fp16_defect("actor")
         elif stage == "rm":
             config = self._train_config()
             model = self._build_reward_model(config, init.get("rm"))
             self._apply_lora(model, config, ("v_head",))  # DS-Chat PR #758: the RM head always trains
             self.engines["reward"] = self._train_engine(model, self.spec.stage_lr("rm"), config, self.spec.grad_ckpt)
+            self._watch_fp16_defect("reward")
         else:
             self._setup_ppo(init)
+            self._watch_fp16_defect("actor")
+            self._watch_fp16_defect("critic")
         self._notes.append(self._optimizer_note())
+        if self._unscaled:
+            fixed = self.options.fix_fp16_zero0_loss_scale
+            self._notes.append(f"upstream defect {fp16_zero0.DEFECT_ID}: " + fp16_zero0.record_entry(fixed)["handling"])
 
     def _setup_ppo(self, init: dict[str, str]) -> None:
         hybrid = self.options.hybrid_engine
@@ -208,17 +229,28 @@ class DSChatAdapter(Adapter):
     def _backward_step(self, role: str, loss: torch.Tensor, out: TrainOutput) -> None:
         engine = self.engines[role]
         skipped_before = engine.skipped_steps
-        engine.backward(loss)
-        # ZeRO-0 keeps whole, unscaled gradients on the module, so the norm is measured here. DeepSpeed's
-        # own ZeRO-0 figure is missing for fp32 and, for fp16 with FusedAdam (FP16_Optimizer), off by the
-        # loss scale (measured on 0.19.8: 5.7e-5 reported vs 3.77 on the module at scale 65536).
+        scale = 1.0
+        if role in self._unscaled and self.options.fix_fp16_zero0_loss_scale:
+            scaled, scale = fp16_zero0.scaled_loss(loss, engine.optimizer)
+            engine.backward(scaled)
+        else:
+            engine.backward(loss)
+        # ZeRO-0 keeps whole gradients on the module, so the norm is measured there (unscaled); DeepSpeed's own
+        # ZeRO-0 figure is missing for fp32 and, for fp16, off by the loss scale (see fp16_zero0).
         own_norm = _local_grad_norm(engine) if engine.zero_optimization_stage() == 0 else None
+        if own_norm is not None:
+            own_norm /= scale
         engine.step()
-        norm = own_norm if own_norm is not None else engine.get_global_grad_norm()
-        out.losses[role] = float(loss.detach())
-        out.grad_norms[role] = float(norm) if norm is not None else None
-        out.skipped[role] = engine.skipped_steps > skipped_before
-        out.loss_scales[role] = self._loss_scale(engine)
+        engine_norm = engine.get_global_grad_norm()
+        norm = own_norm if own_norm is not None else engine_norm
+        out.record(role, float(loss.detach()), float(norm) if norm is not None else None,
+                   engine.skipped_steps > skipped_before, self._loss_scale(engine))
+        if own_norm is not None and engine_norm is not None:
+            out.metrics[f"engine_grad_norm/{role}"] = float(engine_norm)
+        if role in self._unscaled:
+            coefficient = self._unscaled[role].take()
+            if coefficient is not None:
+                out.metrics[f"clip_coef/{role}"] = coefficient
 
     def sft_step(self, batch: SFTBatch) -> TrainOutput:
         actor = self.engines["actor"]
@@ -378,6 +410,9 @@ class DSChatAdapter(Adapter):
 
     def notes(self) -> list[str]:
         return list(self._notes)
+
+    def upstream_defects(self) -> list[dict[str, str]]:
+        return [fp16_zero0.record_entry(self.options.fix_fp16_zero0_loss_scale)] if self._unscaled else []
 
     def close(self) -> None:
         self.engines.clear()

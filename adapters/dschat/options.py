@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
 
@@ -26,6 +26,10 @@ class PPOOptions:
 
 @dataclass(frozen=True)
 class DSChatOptions:
+    #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
+    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = (
+        "ppo", "hybrid_engine", "lora_module_name", "lora_lr", "only_optimize_lora", "fp16_loss_scale_window",
+        "fix_fp16_zero0_loss_scale")
     optimizer: str = "fused_adam"
     hybrid_engine: bool = False
     weight_decay: float = 0.0
@@ -35,6 +39,7 @@ class DSChatOptions:
     lora_module_name: str = "h."
     lora_lr: float = 5e-4
     only_optimize_lora: bool = True
+    fix_fp16_zero0_loss_scale: bool = False
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
     @classmethod
@@ -49,6 +54,9 @@ class DSChatOptions:
             raise SpecError(
                 f"framework.optimizer={options.optimizer!r} is not allowed; choose one of: {', '.join(OPTIMIZERS)}"
             )
+        if not isinstance(options.fix_fp16_zero0_loss_scale, bool):
+            raise SpecError(f"framework.fix_fp16_zero0_loss_scale={options.fix_fp16_zero0_loss_scale!r} must be "
+                            "true or false")
         if options.ppo.ppo_epochs < 1:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
         return options

@@ -21,11 +21,13 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter, Experience, ModelState, RankContext, Rollout, TrainOutput
+from adapters.deepspeed_cpu import allow_fp16
 from adapters.rl_math import gae, gather_log_probs, position_ids
 from adapters.state_bytes import model_state, tensor_bytes
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers
 from adapters.trlx.options import TrlxOptions
 from bench.data import EOS, PAD, PreferenceBatch, PromptBatch, SFTBatch
+from bench.flops import Attention
 from bench.models import ParamCounts, build_causal_lm, count_params, gpt2_config
 from bench.spec import RunSpec
 
@@ -56,12 +58,20 @@ class TrlxAdapter(Adapter):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = spec.batch
             if spec.precision == "fp16":  # trlx PR #279: DeepSpeed's fp16 autocast broke its forward
                 plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": False}
+        self._notes: list[str] = []
         on_cpu = ctx.device.type == "cpu"
         # Without an accelerator Accelerate picks no process-group backend: DeepSpeed needs gloo named, and
         # plain DDP is only built (MULTI_CPU) when Accelerate is told it runs on the CPU.
         handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu else []
         self.accelerator = Accelerator(mixed_precision=MIXED_PRECISION[spec.precision], deepspeed_plugin=plugin,
                                        kwargs_handlers=handlers, cpu=on_cpu and plugin is None)
+        # Every engine library the run will use is imported now, inside the measured `imports` phase.
+        if plugin is not None:
+            fp16_note = allow_fp16(ctx.device, spec.precision)
+            if fp16_note:
+                self._notes.append(fp16_note)
+        if spec.lora or self.options.reference_mode(spec.lora) == "peft":
+            import peft  # noqa: F401
         self.deepspeed = plugin is not None
         self.model: Any = None
         self.optimizer: Any = None
@@ -69,7 +79,7 @@ class TrlxAdapter(Adapter):
         self.ref_model: torch.nn.Module | None = None
         self.reward_model: torch.nn.Module | None = None
         self._counts: dict[str, ParamCounts] = {}
-        self._notes: list[str] = [self._engine_note()]
+        self._notes.append(self._engine_note())
         self._moments = _RunningMoments()
         self._kl_coef = self.options.ppo.init_kl_coef
 
@@ -144,14 +154,18 @@ class TrlxAdapter(Adapter):
             hydra_layers = self.options.num_layers_unfrozen
             freeze_bottom_layers(lm, hydra_layers)
         policy = PolicyWithValueHead(lm, self.spec.model.hidden, hydra_layers)
-        self._counts["actor"] = count_params(policy)
+        # Each module is counted where it runs: the hydra branch only in the reference's forward.
+        whole = count_params(policy)
+        branch = count_params(policy.frozen_head) if policy.frozen_head is not None else ParamCounts(0, 0, 0, 0)
+        self._counts["actor"] = ParamCounts(total=whole.total, trainable=whole.trainable,
+                                            compute=whole.compute - branch.compute,
+                                            compute_trainable=whole.compute_trainable)
         trunk = self._counts["actor"].compute
         if mode == "full":
             # trlx builds a second whole model, moves it to the device and never wraps it: no ZeRO, no offload.
             self.ref_model = self._lm(init.get("sft")).to(self.ctx.device).eval().requires_grad_(False)
             self._counts["ref"] = count_params(self.ref_model)
         elif mode == "hydra":  # extra weights: the branch; work: forward_hydra re-runs the trunk, then the branch
-            branch = count_params(policy.frozen_head)
             self._counts["ref"] = ParamCounts(total=branch.total, trainable=0, compute=trunk + branch.compute)
         else:  # no extra weights; the trunk runs again with adapters disabled
             self._counts["ref"] = ParamCounts(total=0, trainable=0, compute=trunk)
@@ -177,6 +191,14 @@ class TrlxAdapter(Adapter):
             return "reference: the policy with its LoRA adapters disabled (no copy)"
         return ("reference: a whole frozen fp32 copy on every rank outside accelerate/DeepSpeed (trlx's intended "
                 "num_layers_unfrozen=-1 path; at trlx HEAD this path looks broken, see the reference notes)")
+
+    def attention(self) -> dict[str, Attention]:
+        """The hydra reference re-runs the whole trunk, then its branch's blocks (forward_hydra)."""
+        shapes = super().attention()
+        if "ref" in shapes and self.options.reference_mode(self.spec.lora) == "hydra":
+            shape = shapes["ref"]
+            shapes["ref"] = Attention(layers=shape.layers + self.options.num_layers_unfrozen, hidden=shape.hidden)
+        return shapes
 
     @property
     def _unwrapped(self) -> torch.nn.Module:
@@ -206,10 +228,8 @@ class TrlxAdapter(Adapter):
         else:
             skipped = accelerator.optimizer_step_was_skipped
             scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else None
-        out.losses[role] = float(loss.detach())
-        out.grad_norms[role] = None if skipped or norm is None else float(norm)
-        out.skipped[role] = bool(skipped)
-        out.loss_scales[role] = float(scale) if scale is not None else None
+        out.record(role, float(loss.detach()), None if skipped or norm is None else float(norm), bool(skipped),
+                   float(scale) if scale is not None else None)
 
     def sft_step(self, batch: SFTBatch) -> TrainOutput:
         device = self.ctx.device

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
 
@@ -36,6 +36,8 @@ class PPOOptions:
 
 @dataclass(frozen=True)
 class TrlxOptions:
+    #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
+    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora")
     reference: str = "auto"
     num_layers_unfrozen: int = 2
     optimizer: str = "adamw"

@@ -41,7 +41,7 @@ def _scale_note(rows: Rows) -> str:
 def _peak_by_framework(rows: Rows, stage: str, **match: Any) -> dict[str, Any]:
     chosen = [r for r in rows if r["stage"] == stage and r["status"] == "ok"
               and all(r.get(k) == v for k, v in match.items())]
-    return {f: stat([r["peak_bytes"] for r in chosen if r["framework"] == f]) for f in sorted(
+    return {f: stat([r["growth_bytes"] for r in chosen if r["framework"] == f]) for f in sorted(
         {r["framework"] for r in chosen})}
 
 
@@ -57,7 +57,7 @@ def memory_order(stage: str) -> Callable[[Rows, Records], tuple[str, str]]:
             return NOT_MEASURED, f"needs ok {stage} runs at zero=2 from two or more frameworks; has {sorted(peaks)}"
         measured = sorted(peaks, key=lambda f: peaks[f].median, reverse=True)
         claimed = [f for f in CLAIMED_MEMORY_ORDER if f in peaks]
-        figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB" for f in measured)
+        figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB growth" for f in measured)
         batches = sorted({r["batch"] for r in chosen if r["stage"] == stage})
         loras = sorted({r["lora"] for r in chosen if r["stage"] == stage})
         verdict = SUPPORTED if measured == claimed else CONTRADICTED
@@ -151,12 +151,13 @@ def lora_rank_cost(rows: Rows, records: Records) -> tuple[str, str]:
             high = [r for r in rows if r["framework"] == framework and r["stage"] == stage and r["lora"] >= 64
                     and r["status"] == "ok"]
             if full and full.median and high:
-                pairs.append((framework, stage, stat([r["peak_bytes"] for r in high]).median / full.median))
+                pairs.append((framework, stage, stat([r["growth_bytes"] for r in high]).median / full.median))
     if not pairs:
         return NOT_MEASURED, "needs ok runs at lora >= 64 and lora = 0 of one framework and stage"
     cancelled = [ratio >= 1.0 for *_, ratio in pairs]
     verdict = SUPPORTED if all(cancelled) else CONTRADICTED if not any(cancelled) else PARTLY
-    return verdict, "; ".join(f"{f} {s}: LoRA>=64 peak / full peak = {r:.3f}" for f, s, r in pairs) + _scale_note(rows)
+    ratios = "; ".join(f"{f} {s}: LoRA>=64 growth / full growth = {r:.3f}" for f, s, r in pairs)
+    return verdict, ratios + _scale_note(rows)
 
 
 def trlx_grad_ckpt(rows: Rows, records: Records) -> tuple[str, str]:

@@ -49,8 +49,9 @@ def _slice(rows: list[dict[str, Any]], knob: str, value: str, framework: str
 
 
 def memory_by(rows: list[dict[str, Any]], directory: str, knob: str) -> list[str]:
-    """Peak memory (max over phases, MiB) against `knob` (zero or lora), one panel per stage."""
-    ok = [r for r in rows if r["status"] == "ok" and r.get("peak_bytes") is not None]
+    """Memory growth over the post-import baseline (max over phases, MiB) against `knob` (zero or lora), one
+    panel per stage: runs differ in what they build, not in which libraries they import."""
+    ok = [r for r in rows if r["status"] == "ok" and r.get("growth_bytes") is not None]
     stages = [s for s in ("sft", "rm", "ppo") if any(r["stage"] == s for r in ok)]
     if not stages or len({r[knob] for r in ok}) < 2:
         return []
@@ -61,11 +62,11 @@ def memory_by(rows: list[dict[str, Any]], directory: str, knob: str) -> list[str
         values = sorted({r[knob] for r in rows_s})
         width = 0.8 / max(len(frameworks), 1)
         for i, framework in enumerate(frameworks):
-            label, xs, ys = _slice(rows_s, knob, "peak_bytes", framework)
+            label, xs, ys = _slice(rows_s, knob, "growth_bytes", framework)
             ax.bar([values.index(x) + i * width for x in xs], [y / MIB for y in ys], width, label=label)
         ax.set_xticks([j + width * (len(frameworks) - 1) / 2 for j in range(len(values))], [str(v) for v in values])
         ax.set_xlabel("ZeRO stage" if knob == "zero" else "LoRA rank (0 = full fine-tuning)")
-        ax.set_ylabel("peak MiB (max over ranks, median)")
+        ax.set_ylabel("growth over post-import baseline, MiB\n(max over ranks and phases, median)", fontsize=7)
         ax.set_title(stage)
         ax.set_ylim(top=ax.get_ylim()[1] * (1.0 + 0.12 * len(frameworks)))  # room for the legend above the bars
         ax.legend(fontsize=6, loc="upper left")

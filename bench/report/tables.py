@@ -44,21 +44,28 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 def memory_table(rows: list[dict[str, Any]]) -> Table:
     phases = phases_in(rows, "peak")
     config = _config_header(rows)
-    header = config + ["runs", "status"] + [f"{p} MiB" for p in phases] + ["model state MiB (rank 0)"]
+    header = (config + ["runs", "status", "growth MiB"] + [f"{p} MiB" for p in phases]
+              + ["runtime MiB (rank 0)", "model state MiB (rank 0)", "rest at peak MiB (rank 0)"])
     body = []
     for cell, runs in group(rows).items():
-        body.append(_config_cells(cell, config) + [str(len(runs)), status_of(runs)]
+        body.append(_config_cells(cell, config) + [str(len(runs)), status_of(runs),
+                                                   stat([r.get("growth_bytes") for r in runs]).fmt(MIB)]
                     + [stat([r.get(f"peak_{p}_bytes") for r in runs]).fmt(MIB) for p in phases]
-                    + [stat([r.get("model_state_bytes_rank0") for r in runs]).fmt(MIB, 2)])
+                    + [stat([r.get("runtime_bytes_rank0") for r in runs]).fmt(MIB),
+                       stat([r.get("model_state_bytes_rank0") for r in runs]).fmt(MIB, 2),
+                       stat([r.get("rest_at_peak_bytes_rank0") for r in runs]).fmt(MIB)])
     method = next((r["memory_method"] for r in rows if r.get("memory_method")), "not recorded")
     return Table("memory", "Peak memory per phase",
-                 f"MiB (2^20 bytes), peak of each phase, max over ranks; method: {method}. Model state: parameter "
-                 "and optimizer-state bytes held by rank 0's engines. Median over repeated runs, ± half the "
-                 "range, n = runs.", header, body)
+                 f"MiB (2^20 bytes), max over ranks; method: {method}. Growth: the largest phase peak minus the "
+                 "rank's post-import baseline (engine libraries, JIT ops and process groups already loaded): "
+                 "what frameworks are compared on. Phase columns: absolute peaks (`imports` is the runtime "
+                 "phase itself). Rank 0's peak splits into process start + runtime (the imports) + model state "
+                 "(parameter and optimizer-state bytes its engines hold) + rest (activations, gradients, caches, "
+                 "buffers, allocator slack). Median over repeated runs, ± half the range, n = runs.", header, body)
 
 
 def throughput_table(rows: list[dict[str, Any]]) -> Table:
-    phases = [p for p in phases_in(rows, "tokens_per_s") if p != "init"]
+    phases = [p for p in phases_in(rows, "tokens_per_s") if p not in ("imports", "init")]
     config = _config_header(rows)
     header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share %"]
     body = []
@@ -79,7 +86,7 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
 
 def stability_table(rows: list[dict[str, Any]]) -> Table:
     header = ["precision", "framework", "runs", "classification", "first non-finite step", "overflow skips",
-              "loss-scale min"]
+              "loss-scale min", "upstream defects hit"]
     keyed: dict[tuple, list[dict[str, Any]]] = {}
     for row in rows:
         if row.get("stability"):
@@ -95,12 +102,21 @@ def stability_table(rows: list[dict[str, Any]]) -> Table:
                      ", ".join(f"{c} {n}" for c, n in sorted(classes.items())),
                      str(min(first)) if first else "none",
                      str(sum(r.get("overflow_skips") or 0 for r in runs)),
-                     f"{min(scales):g}" if scales else "-"])
+                     f"{min(scales):g}" if scales else "-", _defects(runs)])
     return Table("stability", "Numerical stability by precision",
                  "Per (precision, framework), over every stage run that reached training: classification counts "
-                 "(stable, recovered, skip-storm, diverged), the earliest non-finite step of any run, overflow-"
-                 "skipped steps summed over runs (fp16 dynamic loss scaling), the smallest loss scale seen.",
-                 header, body)
+                 "(stable, recovered, skip-storm, diverged; rules in the record's stability.rules), the earliest "
+                 "non-finite step of any run, overflow-skipped steps summed over runs (fp16 dynamic loss scaling), "
+                 "the smallest loss scale seen, and the known upstream defects those runs hit (runs: n; see the "
+                 "README's list).", header, body)
+
+
+def _defects(runs: list[dict[str, Any]]) -> str:
+    counts: dict[str, int] = {}
+    for r in runs:
+        for defect in filter(None, (r.get("upstream_defects") or "").split(", ")):
+            counts[defect] = counts.get(defect, 0) + 1
+    return "; ".join(f"{d} (runs: {n})" for d, n in sorted(counts.items())) or "none"
 
 
 def all_tables(rows: list[dict[str, Any]]) -> list[Table]:

@@ -4,8 +4,11 @@ CPU: the kernel's RSS high-water mark, reset before each phase (`/proc/self/clea
 after it (`VmHWM`). It catches spikes shorter than any sampling interval. Where the reset is refused
 (hardened containers) it falls back to sampling RSS every 5 ms, which under-reads short spikes.
 
-CUDA: `torch.cuda` max allocated and max reserved after a reset per phase, plus NVML's view of this
-process at the end of the phase, plus the host RSS high-water mark (offloaded state lives there).
+CUDA: phases are compared on `torch.cuda.max_memory_allocated` after a reset per phase (tensors alive).
+`max_memory_reserved` is kept as its own figure: the caching allocator never returns what it holds, so a
+reserved peak after a reset reads the largest earlier phase, not this one; reserved minus allocated is
+allocator slack. NVML is read once per stage for what neither counts (CUDA context, communication
+buffers). Plus the host RSS high-water mark per phase (offloaded state lives there).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import gc
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import psutil
 import torch
@@ -75,12 +79,11 @@ class _RssSampler:
 
 @dataclass
 class MemoryReading:
-    peak_bytes: int  # the figure peaks are compared on: host RSS peak on CPU, reserved on CUDA
-    end_bytes: int
+    peak_bytes: int  # the figure phases are compared on: host RSS peak on CPU, allocated peak on CUDA
+    end_bytes: int  # at the phase's end, on the same scale as peak_bytes
     host_peak_bytes: int
     allocated_peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None
-    nvml_process_bytes: int | None = None
 
 
 class _HostPeak:
@@ -115,21 +118,21 @@ class MemoryTracker:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._host = _HostPeak()
-        self._nvml = _nvml_handle(device) if device.type == "cuda" else None
 
     @property
     def method(self) -> str:
         if self.device.type == "cuda":
-            nvml = "; NVML process memory at phase end" if self._nvml else "; NVML unavailable"
             return (
-                "torch.cuda max_memory_reserved (peak_bytes) and max_memory_allocated after "
-                f"reset_peak_memory_stats per phase{nvml}; host: {self._host.method}"
+                "torch.cuda max_memory_allocated after reset_peak_memory_stats per phase (peak_bytes; tensors "
+                "alive), max_memory_reserved alongside (allocator slack included; never below what the cache "
+                f"already holds); NVML once per stage for memory outside the allocator; host: {self._host.method}"
             )
         return self._host.method
 
     def current_bytes(self) -> int:
+        """Now, on the scale phases are compared on: allocated bytes on CUDA, resident bytes on the CPU."""
         if self.device.type == "cuda":
-            return torch.cuda.memory_reserved(self.device)
+            return torch.cuda.memory_allocated(self.device)
         return psutil.Process().memory_info().rss
 
     def start(self) -> None:
@@ -144,37 +147,47 @@ class MemoryTracker:
         if self.device.type != "cuda":
             return MemoryReading(peak_bytes=host_peak, end_bytes=host_end, host_peak_bytes=host_peak)
         torch.cuda.synchronize(self.device)
-        reserved = torch.cuda.max_memory_reserved(self.device)
+        allocated = torch.cuda.max_memory_allocated(self.device)
         return MemoryReading(
-            peak_bytes=reserved,
-            end_bytes=torch.cuda.memory_reserved(self.device),
+            peak_bytes=allocated,
+            end_bytes=torch.cuda.memory_allocated(self.device),
             host_peak_bytes=host_peak,
-            allocated_peak_bytes=torch.cuda.max_memory_allocated(self.device),
-            reserved_peak_bytes=reserved,
-            nvml_process_bytes=_nvml_process_bytes(self._nvml),
+            allocated_peak_bytes=allocated,
+            reserved_peak_bytes=torch.cuda.max_memory_reserved(self.device),
         )
 
+    def outside_allocator(self) -> dict[str, Any]:
+        """NVML's figure for this process on this GPU, and what the caching allocator does not hold of it
+        (CUDA context, communication buffers, other libraries' allocations). Read once, at a stage's end."""
+        if self.device.type != "cuda":
+            return {"not_available": "not a CUDA device"}
+        used = nvml_process_bytes(self.device)
+        if isinstance(used, str):
+            return {"not_available": used}
+        reserved = torch.cuda.memory_reserved(self.device)
+        return {"nvml_process_bytes": used, "reserved_bytes": reserved, "outside_allocator_bytes": used - reserved}
 
-def _nvml_handle(device: torch.device):
+
+def nvml_process_bytes(device: torch.device) -> int | str:
+    """GPU memory NVML reports for this process on `device`, or why it is not available. The handle is
+    looked up by the device's UUID: NVML numbers GPUs by the host's order and ignores CUDA_VISIBLE_DEVICES.
+    A container that sees host PIDs has no entry for its own PID, and under MIG `usedGpuMemory` is None:
+    both read as "not available", never as a crash."""
     try:
         import pynvml
-
+    except ImportError:
+        return "pynvml not installed (pip install rlhf-bench[gpu])"
+    try:
         pynvml.nvmlInit()
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # NVML is optional: missing library, driver or permissions
-        return None
-
-
-def _nvml_process_bytes(handle) -> int | None:
-    if handle is None:
-        return None
-    import pynvml
-
-    try:
-        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if proc.pid == os.getpid():
-                return int(proc.usedGpuMemory)
-    except pynvml.NVMLError:
-        return None
-    return None
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}")
+        processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception as err:  # noqa: BLE001 -- NVML is optional: missing driver library, permissions, old API
+        return f"NVML query failed: {type(err).__name__}: {err}"
+    entry = next((p for p in processes if p.pid == os.getpid()), None)
+    if entry is None:
+        return f"no NVML process entry for PID {os.getpid()} (a container sees host PIDs)"
+    if entry.usedGpuMemory is None:
+        return "NVML reports no per-process memory (usedGpuMemory is None, e.g. under MIG)"
+    return int(entry.usedGpuMemory)

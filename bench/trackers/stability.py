@@ -19,8 +19,20 @@ def _finite(value: float | None) -> bool:
 
 @dataclass
 class StabilityTracker:
+    """Per-rank stability of one stage. Rules (all counted per trained role, the worst role decides):
+
+    - calibration: the leading overflow skips from step 0 while the loss scale only falls from its initial
+      value (each skip lowers it), as long as they are at most half of the observed steps; these are the
+      dynamic scale finding its level and do not count against the run;
+    - skip-storm: a run of `skip_storm_len` consecutive later skips, or later skips (at least two) making up
+      `skip_rate_storm` or more of the later steps, or every observed step skipped;
+    - diverged: the engine gave up, or the last step was non-finite;
+    - recovered: any non-finite value or later skip short of a storm; stable: none.
+    """
+
     stop_after_nonfinite: int
     skip_storm_len: int
+    skip_rate_storm: float = 0.25
     first_nonfinite_step: int | None = None
     first_nonfinite_metric: str | None = None
     last_step_nonfinite: bool = False
@@ -29,6 +41,7 @@ class StabilityTracker:
     loss_scale: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
     aborted: str | None = None
     steps_seen: int = 0
+    _scale_at: dict[str, dict[int, float]] = field(default_factory=dict)
 
     def observe(
         self,
@@ -51,6 +64,7 @@ class StabilityTracker:
                 steps.append(step)
         for role, scale in loss_scales.items():
             if scale is not None:
+                self._scale_at.setdefault(role, {})[step] = float(scale)
                 trajectory = self.loss_scale.setdefault(role, [])
                 if not trajectory or trajectory[-1][1] != scale:
                     trajectory.append((step, float(scale)))
@@ -63,29 +77,37 @@ class StabilityTracker:
             self.first_nonfinite_step = step
             self.first_nonfinite_metric = "loss_scale"
 
-    def _runs(self, steps: list[int]) -> tuple[int, int]:
-        """(calibration skips, longest later run): skips at the very start, while the dynamic scale
-        comes down from its initial value, are normal calibration and are not counted as a storm."""
-        calibration = 0
-        while calibration < len(steps) and steps[calibration] == calibration:
+    def _calibration(self, role: str, steps: list[int]) -> int:
+        scales = self._scale_at.get(role, {})
+        calibration, previous = 0, None
+        while calibration < len(steps) and steps[calibration] == calibration and calibration in scales:
+            scale = scales[calibration]
+            if previous is not None and scale >= previous:
+                break
+            previous = scale
             calibration += 1
-        if calibration == self.steps_seen:  # never a good step: the whole run is one storm
-            calibration = 0
+        return calibration if 2 * calibration <= self.steps_seen else 0
+
+    def _role(self, role: str, steps: list[int]) -> dict[str, Any]:
+        calibration = self._calibration(role, steps)
+        later = steps[calibration:]
         longest, run, previous = 0, 0, None
-        for step in steps[calibration:]:
+        for step in later:
             run = run + 1 if previous is not None and step == previous + 1 else 1
             longest, previous = max(longest, run), step
-        return calibration, longest
+        later_steps = self.steps_seen - calibration
+        rate = len(later) / later_steps if later_steps else 0.0
+        storm = (longest >= self.skip_storm_len or (len(later) >= 2 and rate >= self.skip_rate_storm)
+                 or (self.steps_seen > 0 and len(steps) == self.steps_seen))
+        return {"calibration": calibration, "later": len(later), "longest": longest, "rate": rate, "storm": storm}
 
     def summary(self) -> dict[str, Any]:
-        runs = {role: self._runs(steps) for role, steps in self.skipped_steps.items()}
-        later_skips = sum(len(s) - runs[r][0] for r, s in self.skipped_steps.items())
-        longest = max((run[1] for run in runs.values()), default=0)
+        roles = {role: self._role(role, steps) for role, steps in self.skipped_steps.items()}
         if self.aborted or self.last_step_nonfinite:
             classification = "diverged"
-        elif longest >= self.skip_storm_len:
+        elif any(r["storm"] for r in roles.values()):
             classification = "skip-storm"
-        elif self.first_nonfinite_step is not None or later_skips:
+        elif self.first_nonfinite_step is not None or any(r["later"] for r in roles.values()):
             classification = "recovered"
         else:
             classification = "stable"
@@ -96,10 +118,14 @@ class StabilityTracker:
             "first_nonfinite_metric": self.first_nonfinite_metric,
             "overflow_skipped_steps": {role: len(s) for role, s in self.skipped_steps.items()},
             "overflow_skipped_at": self.skipped_steps,
-            "calibration_skips": {role: run[0] for role, run in runs.items()},
-            "longest_skip_run": longest,
+            "calibration_skips": {role: r["calibration"] for role, r in roles.items()},
+            "later_skip_rate": {role: r["rate"] for role, r in roles.items()},
+            "longest_skip_run": max((r["longest"] for r in roles.values()), default=0),
             "loss_scale_trajectory": {role: [list(p) for p in t] for role, t in self.loss_scale.items()},
             "loss_scale_min": min(scales) if scales else None,
             "aborted": self.aborted,
             "steps_observed": self.steps_seen,
+            "rules": (f"calibration: leading skips while the loss scale only falls, at most half the steps; "
+                      f"skip-storm: {self.skip_storm_len} consecutive later skips, a later skip rate >= "
+                      f"{self.skip_rate_storm} (>= 2 skips), or every step skipped"),
         }

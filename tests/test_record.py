@@ -1,0 +1,155 @@
+"""The record's arithmetic on hand-made per-rank data: no engine, values worked out by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from adapters.base import TrainOutput
+from bench.flops import Attention, phase_flops, token_flops
+from bench.launcher import missing_ranks_failure, sigkilled_ranks
+from bench.models import ParamCounts
+from bench.record import merge_status, stage_record
+
+MIB = 1024 * 1024
+
+
+def test_token_flops_count_frozen_weights_at_4n_and_the_attention_term():
+    counts = ParamCounts(total=1100, trainable=600, compute=1000, compute_trainable=600)
+    attention = Attention(layers=2, hidden=8)
+    # forward: 2*1000 + 4*(2*10*8) = 2000 + 640
+    assert token_flops("experience", counts, attention, context=10) == 2640
+    # training: 6*600 trainable + 4*400 frozen + 12*(2*10*8) = 3600 + 1600 + 1920
+    assert token_flops("training", counts, attention, context=10) == 7120
+    # two roles, 5 tokens: (2640 + 2640) * 5
+    both = phase_flops("experience", ("actor", "ref"), {"actor": counts, "ref": counts},
+                       {"actor": attention, "ref": attention}, tokens=5, context=10)
+    assert both == 26400
+
+
+def _samples(phase_peaks: dict[str, list[int]], times: list[float], flops: float, tokens: int) -> list[dict]:
+    """phase_samples as a worker writes them: imports and init once, then training steps 0..n-1."""
+    samples = [{"phase": "imports", "step": None, "time_s": 3.0, "peak_bytes": phase_peaks["imports"][0],
+                "end_bytes": phase_peaks["imports"][0], "host_peak_bytes": phase_peaks["imports"][0]},
+               {"phase": "init", "step": None, "time_s": 1.0, "peak_bytes": phase_peaks["init"][0],
+                "end_bytes": phase_peaks["init"][0], "host_peak_bytes": phase_peaks["init"][0]}]
+    for step, (peak, time_s) in enumerate(zip(phase_peaks["training"], times, strict=True)):
+        samples.append({"phase": "training", "step": step, "time_s": time_s, "peak_bytes": peak, "end_bytes": peak,
+                        "host_peak_bytes": peak, "tokens": tokens, "samples": 2, "flops": flops})
+    return samples
+
+
+def _rank(rank: int, peaks: dict[str, list[int]], times: list[float], losses: list, status: str = "ok",
+          classification: str = "stable") -> dict:
+    return {
+        "rank": rank, "status": status, "error": None if status == "ok" else {"message": status, "phase": "training"},
+        "device": "cpu", "process_start_bytes": 300 * MIB, "baseline_bytes": 320 * MIB,
+        "data_parallel_rank": rank, "layout": {"data_parallel_rank": rank},
+        "model_state": {"actor": {"param_bytes": 10 * MIB, "optimizer_state_bytes": 20 * MIB,
+                                  "trainable_param_bytes": 10 * MIB, "accelerator_bytes": 0}},
+        "phase_samples": _samples(peaks, times, flops=4e12, tokens=100),
+        "steps": [{"step": i, "loss/actor": loss} for i, loss in enumerate(losses)],
+        "stability": {"classification": classification, "first_nonfinite_step": None if classification == "stable"
+                      else 2, "first_nonfinite_metric": None},
+        "learning": {},
+    }
+
+
+def test_stage_merge_takes_max_over_ranks_excludes_warmup_and_breaks_peaks_down():
+    rank0 = _rank(0, {"imports": [330 * MIB], "init": [350 * MIB], "training": [400 * MIB, 380 * MIB, 390 * MIB]},
+                  times=[9.0, 2.0, 2.0], losses=[3.0, 2.0, 1.0])
+    rank1 = _rank(1, {"imports": [331 * MIB], "init": [352 * MIB], "training": [360 * MIB, 410 * MIB, 370 * MIB]},
+                  times=[9.0, 4.0, 4.0], losses=[3.0, 2.5, 1.5], classification="recovered")
+    record = stage_record("sft", [rank1, rank0], warmup=1, wall_time_s=30.0)
+    training = record.memory["phases"]["training"]
+    assert training["peak_bytes"] == 410 * MIB and training["peak_bytes_per_rank"] == [400 * MIB, 410 * MIB]
+    assert training["growth_over_baseline_bytes"] == 90 * MIB  # 410 - 320, from the post-import baseline
+    # process start 300 + runtime 20 + model state 30 + rest 50 = the 400 MiB peak of rank 0
+    assert training["breakdown_bytes_per_rank"][0] == {"process_start_bytes": 300 * MIB, "runtime_bytes": 20 * MIB,
+                                                 "model_state_bytes": 30 * MIB, "rest_bytes": 50 * MIB}
+    assert record.memory["phases"]["imports"]["peak_bytes"] == 331 * MIB
+    speed = record.throughput["phases"]["training"]
+    assert speed["measured_steps"] == 2  # step 0 is warm-up
+    # rank 0: 2 steps x 4e12 FLOPs in 4 s = 2 TFLOP/s; rank 1: in 8 s = 1 TFLOP/s
+    assert speed["tflops_per_s_per_rank"] == pytest.approx([2.0, 1.0])
+    # 2 replicas x 2 steps x 100 tokens over the slowest rank's 8 s
+    assert speed["tokens_per_s_global"] == pytest.approx(50.0)
+    assert record.throughput["phases"]["imports"]["time_s"] == 3.0
+    assert record.stability["classification"] == "recovered" and record.stability["aggregate"] == "worst rank"
+    assert record.learning["loss_curve"] == pytest.approx([3.0, 2.25, 1.25])
+
+
+def test_a_non_finite_value_on_one_rank_survives_the_merge():
+    rank0 = _rank(0, {"imports": [1], "init": [1], "training": [1, 1, 1]}, [1.0] * 3, losses=[3.0, 2.0, 1.0])
+    rank1 = _rank(1, {"imports": [1], "init": [1], "training": [1, 1, 1]}, [1.0] * 3, losses=[3.0, "nan", "inf"])
+    record = stage_record("sft", [rank0, rank1], warmup=1, wall_time_s=1.0)
+    curve = record.learning["loss_curve"]
+    assert curve[0] == 3.0 and math.isnan(curve[1]) and curve[2] == math.inf
+
+
+@pytest.mark.parametrize(("statuses", "expected"), [
+    (["ok", "ok"], "ok"),
+    (["error", "oom"], "oom"),
+    (["nan", "error"], "nan"),
+    (["error", "timeout"], "timeout"),
+    (["timeout", "nan", "oom"], "oom"),
+])
+def test_status_precedence(statuses, expected):
+    assert merge_status(statuses) == expected
+
+
+def test_an_oom_on_one_rank_with_a_knock_on_error_names_the_stage_oom():
+    ok = {"imports": [1], "init": [1], "training": [1]}
+    rank0 = _rank(0, ok, [1.0], [1.0], status="error")
+    rank1 = _rank(1, ok, [1.0], [1.0], status="oom")
+    record = stage_record("sft", [rank0, rank1], warmup=0, wall_time_s=1.0)
+    assert record.status == "oom" and record.error["rank"] == 1
+    # the launcher's timeout outranks a rank's error, an OOM outranks the timeout
+    timeout = {"status": "timeout", "error": {"message": "still running", "phase": None}}
+    assert stage_record("sft", [rank0], 0, 1.0, timeout).status == "timeout"
+    assert stage_record("sft", [rank0, rank1], 0, 1.0, timeout).status == "oom"
+
+
+TORCHRUN_SUMMARY = """\
+Failures:
+[1]:
+  time      : 2026-12-01_03:45:21
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : -15 (pid: 5224)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 5224
+------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_03:45:21
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -9 (pid: 5225)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 5225
+"""
+
+
+def test_a_rank_killed_by_sigkill_without_a_result_is_an_oom():
+    assert sigkilled_ranks(TORCHRUN_SUMMARY) == [1]
+    failure = missing_ranks_failure(2, [0], 1, TORCHRUN_SUMMARY)
+    assert failure["status"] == "oom" and failure["error"]["killed_ranks"] == [1]
+    assert "OOM killer" in failure["error"]["message"]
+    # a rank that died otherwise stays an error
+    assert missing_ranks_failure(2, [0], 1, "rank 1 segfaulted")["status"] == "error"
+
+
+def test_repeated_optimizer_steps_keep_every_skip_and_non_finite_value():
+    out = TrainOutput(losses={}, tokens=0, samples=0)
+    out.record("actor", float("nan"), 1.0, skipped=True, loss_scale=2.0**15)
+    for _ in range(3):  # later epochs are finite and not skipped
+        out.record("actor", 0.5, 2.0, skipped=False, loss_scale=2.0**15)
+    assert math.isnan(out.losses["actor"]) and out.skipped["actor"]
+    assert out.metrics["optimizer_steps/actor"] == 4 and out.metrics["skipped_steps/actor"] == 1
+    out = TrainOutput(losses={}, tokens=0, samples=0)
+    out.record("actor", 0.5, 2.0, skipped=False, loss_scale=None)
+    out.record("actor", 0.4, float("inf"), skipped=False, loss_scale=None)
+    out.record("actor", 0.3, 1.0, skipped=False, loss_scale=None)
+    assert out.losses["actor"] == 0.3 and out.grad_norms["actor"] == math.inf and not out.skipped["actor"]
