@@ -167,7 +167,8 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_bytes_per_rank": per_rank["peak_bytes"],
             "growth_over_baseline_bytes": max(growth) if growth else None,
             "end_bytes_per_rank": per_rank["end_bytes"],
-            "breakdown_bytes_per_rank": [_breakdown(p, r) for p, r in zip(per_rank["peak_bytes"], ranks, strict=True)],
+            "breakdown_bytes_per_rank": [_breakdown(p, r) if phase != "imports" else {}
+                                         for p, r in zip(per_rank["peak_bytes"], ranks, strict=True)],
         }
         for key in ("host_peak_bytes", "allocated_peak_bytes", "reserved_peak_bytes"):
             values = [v for v in per_rank[key] if v is not None]

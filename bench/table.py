@@ -24,7 +24,7 @@ def result_table(record: dict[str, Any]) -> Table:
              f"ZeRO-{cfg['zero']} | LoRA {cfg['lora'] or 'off'} | batch {cfg['batch']} x "
              f"{cfg['launcher']['nproc']} rank(s) | status: {record['status']}")
     table = Table(title=title, title_justify="left")
-    # peak: max over ranks; growth: over the rank's pre-model baseline; rates: global; TFLOP/s: rank 0
+    # peak: max over ranks; growth: over the rank's post-import baseline; rates: global; TFLOP/s: rank 0
     for column in ("stage", "phase", "peak MiB", "growth MiB", "s/step", "tok/s", "samp/s", "TFLOP/s"):
         table.add_column(column, justify="left" if column in ("stage", "phase") else "right")
     for stage, result in record["stages"].items():

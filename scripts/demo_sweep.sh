@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The CPU demo sweep and its report: every framework through PPO at ZeRO 0/2 x LoRA off/16 (bf16), a batch
-# sweep at ZeRO-2, fp16 SFT at a learning rate that must blow up (fails on purpose: the stability table), and
-# colossalai ZeRO-3 (Gemini needs CUDA: unsupported on the CPU). About 20 minutes on 2 CPU cores.
+# sweep at ZeRO-2, fp16 SFT at a learning rate that must blow up (fails on purpose: the stability table), DS-Chat
+# fp16 SFT at ZeRO-0 as upstream runs it and with the opt-in fix (the DeepSpeed 0.19.8 loss-scaling defect in
+# the stability table), and colossalai ZeRO-3 (Gemini needs CUDA: unsupported on the CPU). About 15 minutes
+# on 2 CPU cores.
 # Runs land in results/sweeps/cpu-demo (re-running resumes; force=true re-runs); the records alone and the
 # report are copied to results/examples/cpu-demo, the curated example kept in git.
 set -euo pipefail
@@ -11,6 +13,7 @@ sweep() { .venv/bin/python -m bench.run -m sweep_name=cpu-demo warmup_steps=1 "$
 sweep framework=dschat,colossalai,trlx stage=ppo precision=bf16 zero=0,2 lora=0,16 batch=4 steps=6
 sweep framework=dschat,colossalai,trlx stage=ppo precision=bf16 zero=2 lora=0 batch=2,8 steps=6
 sweep framework=dschat,colossalai,trlx stage=sft precision=fp16 zero=2 lr=1000 steps=8
+sweep framework=dschat stage=sft precision=fp16 zero=0 steps=8 framework.fix_fp16_zero0_loss_scale=false,true
 sweep framework=colossalai stage=ppo precision=bf16 zero=3 steps=6
 example=results/examples/cpu-demo
 rm -rf "$example" && mkdir -p "$example"

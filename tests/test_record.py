@@ -153,3 +153,16 @@ def test_repeated_optimizer_steps_keep_every_skip_and_non_finite_value():
     out.record("actor", 0.4, float("inf"), skipped=False, loss_scale=None)
     out.record("actor", 0.3, 1.0, skipped=False, loss_scale=None)
     assert out.losses["actor"] == 0.3 and out.grad_norms["actor"] == math.inf and not out.skipped["actor"]
+
+
+def test_torn_writes_are_removed_and_never_read_as_records(tmp_path):
+    from bench.collect import collect
+    from bench.launcher import remove_torn_writes
+    from bench.record import ResultRecord
+
+    ResultRecord(run_id="run", config={"stage": {"name": "sft"}}).write(str(tmp_path / "run" / "record.json"))
+    torn = tmp_path / "run" / ".tmp-abc123.json"
+    torn.write_text('{"schema_version": 2, "stat')  # what a SIGKILL midway through write_json leaves
+    assert not collect(str(tmp_path)).problems  # the collector reads record.json files only
+    remove_torn_writes(str(tmp_path / "run"))
+    assert not torn.exists() and (tmp_path / "run" / "record.json").exists()

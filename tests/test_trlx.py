@@ -53,6 +53,12 @@ def test_hydra_reference_costs_less_memory_than_a_full_copy(run_bench):
     assert hydra["status"] == full["status"] == "ok"
     branch, copy = hydra["params"]["ref"]["total"], full["params"]["ref"]["total"]
     assert branch < copy / 2, (branch, copy)  # 2 of 6 blocks + final norm + LM head
+    # FLOPs count each module where it runs: the branch in the reference's forward only (forward_hydra re-runs
+    # the trunk, then the branch), never in the actor's; the position table is a lookup.
+    actor, ref = hydra["params"]["actor"], hydra["params"]["ref"]
+    assert ref["compute"] == actor["compute"] + branch
+    assert actor["compute"] + branch + 128 * 384 == actor["total"]
+    assert 0 < actor["compute_trainable"] < actor["compute"] / 2  # bottom 4 of 6 blocks and embeddings frozen
     hydra_peak = hydra["memory"]["phases"]["experience"]["peak_bytes"]
     full_peak = full["memory"]["phases"]["experience"]["peak_bytes"]
     assert full_peak - hydra_peak > (copy - branch) * 4 * 0.8, (hydra_peak, full_peak)

@@ -58,13 +58,14 @@ class TrlxAdapter(Adapter):
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = spec.batch
             if spec.precision == "fp16":  # trlx PR #279: DeepSpeed's fp16 autocast broke its forward
                 plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": False}
-        self._notes: list[str] = []
         on_cpu = ctx.device.type == "cpu"
         # Without an accelerator Accelerate picks no process-group backend: DeepSpeed needs gloo named, and
         # plain DDP is only built (MULTI_CPU) when Accelerate is told it runs on the CPU.
         handlers = [InitProcessGroupKwargs(backend="gloo")] if on_cpu else []
         self.accelerator = Accelerator(mixed_precision=MIXED_PRECISION[spec.precision], deepspeed_plugin=plugin,
                                        kwargs_handlers=handlers, cpu=on_cpu and plugin is None)
+        self.deepspeed = plugin is not None
+        self._notes: list[str] = [self._engine_note()]
         # Every engine library the run will use is imported now, inside the measured `imports` phase.
         if plugin is not None:
             fp16_note = allow_fp16(ctx.device, spec.precision)
@@ -72,14 +73,12 @@ class TrlxAdapter(Adapter):
                 self._notes.append(fp16_note)
         if spec.lora or self.options.reference_mode(spec.lora) == "peft":
             import peft  # noqa: F401
-        self.deepspeed = plugin is not None
         self.model: Any = None
         self.optimizer: Any = None
         self.role = "actor"
         self.ref_model: torch.nn.Module | None = None
         self.reward_model: torch.nn.Module | None = None
         self._counts: dict[str, ParamCounts] = {}
-        self._notes.append(self._engine_note())
         self._moments = _RunningMoments()
         self._kl_coef = self.options.ppo.init_kl_coef
 
