@@ -18,7 +18,7 @@ from bench.record import PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 RECORD_NAME = "record.json"
 # Config keys that identify a cell in the tables; repeated runs of one cell aggregate to median/spread.
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
-                  "plugin", "offload", "grad_ckpt", "reference", "seed")
+                  "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "seed")
 
 
 @dataclass
@@ -52,6 +52,8 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "offload": config.get("offload"),
         "grad_ckpt": config.get("grad_ckpt"),
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
+        # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
+        "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,
         "seed": config.get("seed"),
     }
 

@@ -192,7 +192,8 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                 "ops loaded and its process groups started, before any model is built; "
                                 "growth_over_baseline_bytes (what frameworks are compared on) is measured from "
                                 "here, so no difference between runs comes from which libraries they import"),
-        "breakdown_definition": ("per rank and phase: process_start (torch and transformers imported), runtime "
+        "breakdown_definition": ("per rank and phase: process_start (torch and transformers imported; transformers "
+                                 "itself imports accelerate and, where installed, deepspeed), runtime "
                                  "(the `imports` phase: engine libraries, JIT ops, process groups), model_state "
                                  "(parameters and optimizer states read from the engines' tensors after the last "
                                  "step; on CUDA only those on the GPU) and rest = peak - baseline - model_state "

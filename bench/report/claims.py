@@ -57,12 +57,13 @@ def memory_order(stage: str) -> Callable[[Rows, Records], tuple[str, str]]:
             return NOT_MEASURED, f"needs ok {stage} runs at zero=2 from two or more frameworks; has {sorted(peaks)}"
         measured = sorted(peaks, key=lambda f: peaks[f].median, reverse=True)
         claimed = [f for f in CLAIMED_MEMORY_ORDER if f in peaks]
-        figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB growth" for f in measured)
+        figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB" for f in measured)
         batches = sorted({r["batch"] for r in chosen if r["stage"] == stage})
         loras = sorted({r["lora"] for r in chosen if r["stage"] == stage})
         verdict = SUPPORTED if measured == claimed else CONTRADICTED
-        return verdict, (f"median peak at zero=2, batch {batches}, lora {loras}, most to least: {figures}; claimed "
-                         f"order {' > '.join(claimed)}" + _scale_note(rows))
+        return verdict, (f"median memory growth over the post-import baseline at zero=2, batch {batches}, "
+                         f"lora {loras}, most to least: {figures}; claimed order {' > '.join(claimed)}"
+                         + _scale_note(rows))
     return check
 
 

@@ -10,7 +10,7 @@ from bench.report.aggregate import CELL_COLUMNS, group, stat, status_of
 
 MIB = 1024.0 * 1024.0
 SHOWN_CONFIG = ("framework", "stage", "precision", "zero", "lora", "batch", "nproc")
-EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference")
+EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference", "upstream_fix")
 
 
 @dataclass
