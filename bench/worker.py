@@ -75,8 +75,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     try:
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device)
-        result.update(process_start_bytes=tracker.memory.current_bytes(), memory_method=tracker.memory.method,
-                      time_method=tracker.time_method)
+        result.update(device=str(device), process_start_bytes=tracker.memory.current_bytes(),
+                      memory_method=tracker.memory.method, time_method=tracker.time_method)
         if rank == 0:
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)

@@ -25,8 +25,10 @@ def phase_peak(record: dict, stage: str, phase: str) -> int:
     return record["stages"][stage]["memory"]["phases"][phase]["peak_bytes"]
 
 
-def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench):
+def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench, tmp_path):
     record = run_bench("stage=sft", "zero=0", "precision=fp32", "lora=0", TORCH_ADAMW)
+    rank0 = json.loads((tmp_path / "run" / "sft" / "rank0.json").read_text())
+    assert rank0["device"].startswith(record["environment"]["device"])  # the merge reads each rank's device
     assert record["status"] == "ok" and record["schema_version"] == 2
     sft = record["stages"]["sft"]
     curve = sft["learning"]["loss_curve"]

@@ -166,3 +166,13 @@ def test_torn_writes_are_removed_and_never_read_as_records(tmp_path):
     assert not collect(str(tmp_path)).problems  # the collector reads record.json files only
     remove_torn_writes(str(tmp_path / "run"))
     assert not torn.exists() and (tmp_path / "run" / "record.json").exists()
+
+
+def test_on_cuda_the_breakdown_counts_only_model_state_on_the_gpu():
+    rank = _rank(0, {"imports": [0], "init": [50 * MIB], "training": [100 * MIB]}, [1.0], [1.0])
+    rank.update(device="cuda:0", process_start_bytes=0, baseline_bytes=2 * MIB)
+    rank["model_state"]["actor"]["accelerator_bytes"] = 10 * MIB  # optimizer state offloaded to the host
+    record = stage_record("sft", [rank], warmup=0, wall_time_s=1.0)
+    parts = record.memory["phases"]["training"]["breakdown_bytes_per_rank"][0]
+    assert parts == {"process_start_bytes": 0, "runtime_bytes": 2 * MIB, "model_state_bytes": 10 * MIB,
+                     "rest_bytes": 88 * MIB}
