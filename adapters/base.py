@@ -110,14 +110,18 @@ class ModelState:
     optimizer_state_bytes: int
     trainable_param_bytes: int
     accelerator_bytes: int = 0  # of parameters and optimizer state, the bytes on an accelerator (not the host)
+    device: str | None = None  # set when the model lives on a device of its own (not the rank's)
 
-    def as_dict(self) -> dict[str, int]:
-        return {
+    def as_dict(self) -> dict[str, int | str]:
+        state: dict[str, int | str] = {
             "param_bytes": self.param_bytes,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "trainable_param_bytes": self.trainable_param_bytes,
             "accelerator_bytes": self.accelerator_bytes,
         }
+        if self.device is not None:
+            state["device"] = self.device
+        return state
 
 
 class Adapter(ABC):
@@ -209,6 +213,15 @@ class Adapter(ABC):
     def notes(self) -> list[str]:
         """Facts a reader of the record must know (fallbacks taken, features unavailable here)."""
         return []
+
+    def probe_points(self) -> dict[str, torch.nn.Module]:
+        """Modules whose first forward in PPO marks a moment worth a census of live tensors: "reward_call"
+        (upstream's experience maker calling the reward model) and, where it sets the peak, others."""
+        return {}
+
+    def computation_dtypes(self) -> dict[str, str]:
+        """The dtype each loss-side computation used (log-probs, values, losses), as last seen."""
+        return {}
 
     def upstream_defects(self) -> list[dict[str, str]]:
         """Known defects of the upstream engine this run hits: id, where, effect, and how the run handles it."""

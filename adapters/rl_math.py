@@ -7,8 +7,9 @@ import torch.nn.functional as F
 
 
 def gather_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Log-probability of each label token; computed in fp32 (logits are upcast) for stability."""
-    log_probs = F.log_softmax(logits.float(), dim=-1)
+    """Log-probability of each label token, in the logits' dtype as all three frameworks compute it (a
+    caller that upcasts does so where its framework does, e.g. DS-Chat's --compute_fp32_loss)."""
+    log_probs = F.log_softmax(logits, dim=-1)
     return log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
 
 

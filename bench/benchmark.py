@@ -91,10 +91,13 @@ def _train_prerequisite_rm(rm_spec: RunSpec, directory: str, summary_path: str, 
 
 def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir: str,
                   echo: bool = True) -> ResultRecord:
+    from adapters import registry
+
     run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
     remove_torn_writes(run_dir)
-    record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config)
+    record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config,
+                          harness_extension=registry.options_class(spec.framework).harness_extensions(spec))
     record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}
     for stage in spec.stages:

@@ -18,7 +18,7 @@ from bench.record import PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 RECORD_NAME = "record.json"
 # Config keys that identify a cell in the tables; repeated runs of one cell aggregate to median/spread.
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
-                  "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "seed")
+                  "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension", "seed")
 
 
 @dataclass
@@ -54,8 +54,16 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
         # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
         "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,
+        "harness_extension": None,  # from the record (the framework's options name the knobs upstream lacks)
         "seed": config.get("seed"),
     }
+
+
+def update_passes(config: dict[str, Any]) -> int:
+    """Optimizer passes over each rollout per PPO step: trlx's and DS-Chat's ppo_epochs, coati's
+    num_update_steps (1 where the framework names neither)."""
+    ppo = config.get("framework", {}).get("ppo") or {}
+    return int(ppo.get("ppo_epochs") or ppo.get("num_update_steps") or 1)
 
 
 def _trlx_reference(config: dict[str, Any]) -> str:
@@ -82,6 +90,7 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                            "status": result.get("status"), "run_status": record.get("status"),
                            "error": (result.get("error") or {}).get("message"),
                            "finished": bool(record.get("finished_utc"))}
+    row["harness_extension"] = "; ".join(e["knob"] for e in record.get("harness_extension") or []) or None
     if stage != "ppo":  # the reference model exists in PPO only
         row["reference"] = None
     memory = result.get("memory") or {}
@@ -133,6 +142,13 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     replicas = (row["nproc"] or 1) // ((row["tp"] or 1) * (row["pp"] or 1))
     row["samples_per_s_step"] = (row["batch"] * replicas / row["step_time_s"]
                                  if row["step_time_s"] and row["batch"] else None)
+    # Equal work across frameworks: the step as it would run with one update pass over its rollout (trlx
+    # makes 4 by default, the others 1): generation + experience + training / passes.
+    row["update_passes"] = update_passes(record["config"]) if stage == "ppo" else None
+    training = row.get("time_s_per_step_training")
+    one_pass = (row["step_time_s"] - training * (1 - 1 / row["update_passes"])
+                if stage == "ppo" and row["step_time_s"] and training is not None else None)
+    row["samples_per_s_one_pass"] = row["batch"] * replicas / one_pass if one_pass and row["batch"] else None
     row["wall_time_s"] = _number(result.get("wall_time_s"))
     return row
 

@@ -17,6 +17,7 @@ from bench.data import SyntheticData
 from bench.flops import Attention, phase_flops
 from bench.models import ParamCounts
 from bench.spec import RunSpec
+from bench.trackers.live_tensors import LiveTensorProbe
 from bench.trackers.phases import PhaseTracker
 from bench.trackers.stability import StabilityTracker
 
@@ -109,6 +110,8 @@ class StageLoop:
             self.adapter.setup(stage, init)
         self._counts = self.adapter.params()
         self._attention = self.adapter.attention()
+        # What is alive at the moments that set the experience peak (first step only; armed after setup).
+        probe = LiveTensorProbe(self.adapter.probe_points()) if stage == "ppo" else None
         self.stability = StabilityTracker(self.spec.stability.stop_after_nonfinite,
                                           self.spec.stability.skip_storm_len, self.spec.stability.skip_rate_storm)
         if stage == "rm":
@@ -140,7 +143,9 @@ class StageLoop:
         if stage == "rm":
             self.learning["accuracy_end"] = self._rm_eval(step=len(self.steps))
         summary = self.stability.summary()
+        live = probe.close() if probe is not None else {}
         return {
+            "live_tensors": live,
             "params": {role: c.as_dict() for role, c in self._counts.items()},
             "model_state": {role: s.as_dict() for role, s in self.adapter.model_state().items()},
             "stability": summary,

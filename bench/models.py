@@ -54,17 +54,20 @@ def model_config(model: ModelSpec) -> PretrainedConfig:
     return gpt2_config(model)
 
 
-def build_causal_lm(model: ModelSpec, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """A causal LM with random weights (or the local checkpoint at model.path). No downloads."""
+def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
+    """A causal LM with random weights (or the local checkpoint at model.path). No downloads. Built in the
+    ambient dtype and never cast afterwards: inside DeepSpeed's zero.Init the parameters are already the
+    run's half-precision partitions, and a cast back to fp32 would make ZeRO-3 see an fp32 model (it then
+    picks a static loss scale of 1 for fp16)."""
     if model.path:
-        loaded = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=dtype)
+        loaded = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=torch.float32)
         if loaded.config.vocab_size < model.vocab:
             raise ValueError(
                 f"model.path={model.path} has vocab_size {loaded.config.vocab_size} < model.vocab={model.vocab}, "
                 "the synthetic data's token range; set model.vocab to at most the checkpoint's vocabulary"
             )
         return loaded
-    return GPT2LMHeadModel(gpt2_config(model)).to(dtype)
+    return GPT2LMHeadModel(gpt2_config(model))
 
 
 def count_params(module: torch.nn.Module) -> ParamCounts:
@@ -92,3 +95,10 @@ def meta_param_count(model: ModelSpec) -> ParamCounts:
     with torch.device("meta"):
         module = GPT2LMHeadModel(gpt2_config(model))
     return count_params(module)
+
+
+def set_dropout(module: torch.nn.Module, p: float) -> None:
+    """Every dropout layer of `module` to probability `p` (what a framework's --dropout flag intends)."""
+    for layer in module.modules():
+        if isinstance(layer, torch.nn.Dropout):
+            layer.p = p

@@ -77,6 +77,8 @@ class StageRecord:
     notes: list[str] = field(default_factory=list)
     upstream_defects: list[dict[str, str]] = field(default_factory=list)
     layout_per_rank: list[dict[str, int]] = field(default_factory=list)
+    computation_dtypes: dict[str, str] = field(default_factory=dict)
+    live_tensors: dict[str, Any] = field(default_factory=dict)
     cut_short: dict[str, Any] | None = None
     checkpoint: str | None = None
 
@@ -92,6 +94,7 @@ class ResultRecord:
     finished_utc: str | None = None  # set by the last write: a record without it is a run cut short
     environment: dict[str, Any] = field(default_factory=dict)
     prerequisites: dict[str, Any] = field(default_factory=dict)
+    harness_extension: list[dict[str, str]] = field(default_factory=list)  # knobs upstream cannot run
     stages: dict[str, StageRecord] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -126,12 +129,35 @@ def merge_status(statuses: list[str]) -> str:
     return min(failed, key=lambda s: STATUS_PRECEDENCE.index(s) if s in STATUS_PRECEDENCE else len(STATUS_PRECEDENCE))
 
 
-def _state_bytes(rank: dict[str, Any]) -> int:
-    """Model-state bytes this rank's engines hold where phases are measured: on the accelerator under CUDA,
-    all of it (parameters and optimizer state) on the CPU."""
-    on_cuda = str(rank.get("device", "cpu")).startswith("cuda")
+def _live_tensors(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each probed moment from the lowest rank that reached it (trlx scores on rank 0 only)."""
+    live: dict[str, Any] = {}
+    for rank in ranks:
+        for point, groups in rank.get("live_tensors", {}).items():
+            live.setdefault(point, {"rank": rank["rank"], "groups": groups})
+    if live:
+        live["method"] = ("gc census at the first call of each probed module in step 0: tensor storages alive "
+                          "then and not alive after setup (weights, optimizer state, engine buffers left out), "
+                          "grouped by the largest view's shape, dtype and device; bytes per storage")
+    return live
+
+
+#: Models that are not engines of the run but a function it calls (trlx's reward_fn): their own breakdown line.
+SEPARATE_STATE_ROLES = ("reward_fn",)
+
+
+def _state_bytes(rank: dict[str, Any], roles: tuple[str, ...] | None = None) -> int:
+    """Model-state bytes this rank holds where phases are measured: on the accelerator under CUDA, all of it
+    (parameters and optimizer state) on the CPU. `roles` None = every role but the separate ones. A model on
+    a device of its own (not the rank's) is not where the phases are measured and counts nothing."""
+    device = str(rank.get("device", "cpu"))
+    on_cuda = device.startswith("cuda")
     total = 0
-    for state in rank.get("model_state", {}).values():
+    for role, state in rank.get("model_state", {}).items():
+        if (role in SEPARATE_STATE_ROLES) if roles is None else (role not in roles):
+            continue
+        if state.get("device") not in (None, device):
+            continue
         total += state.get("accelerator_bytes", 0) if on_cuda else state["param_bytes"] + state["optimizer_state_bytes"]
     return total
 
@@ -141,12 +167,18 @@ def _breakdown(peak: int | None, rank: dict[str, Any]) -> dict[str, int | None]:
     if peak is None or start is None or baseline is None:
         return {}
     state = _state_bytes(rank) if rank.get("model_state") else None
-    return {
+    breakdown: dict[str, int | None] = {
         "process_start_bytes": start,
         "runtime_bytes": baseline - start,
         "model_state_bytes": state,
-        "rest_bytes": peak - baseline - (state or 0),
     }
+    separate = 0
+    for role in SEPARATE_STATE_ROLES:
+        if role in rank.get("model_state", {}):
+            breakdown[f"{role}_bytes"] = _state_bytes(rank, (role,))
+            separate += breakdown[f"{role}_bytes"]
+    breakdown["rest_bytes"] = peak - baseline - (state or 0) - separate
+    return breakdown
 
 
 def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -196,7 +228,9 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                  "itself imports accelerate and, where installed, deepspeed), runtime "
                                  "(the `imports` phase: engine libraries, JIT ops, process groups), model_state "
                                  "(parameters and optimizer states read from the engines' tensors after the last "
-                                 "step; on CUDA only those on the GPU) and rest = peak - baseline - model_state "
+                                 "step; on CUDA only those on the GPU), reward_fn where the framework scores with a "
+                                 "reward function outside its engines (trlx, rank 0; counted only on the rank's own "
+                                 "device) and rest = peak - baseline - model_state - reward_fn "
                                  "(activations, gradients, caches, logits, communication buckets, allocator "
                                  "slack); they add up to the phase's peak"),
         "phases": phases,
@@ -360,6 +394,8 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.notes = ranks[0].get("notes", [])
     record.upstream_defects = ranks[0].get("upstream_defects", [])
     record.layout_per_rank = [r.get("layout", {}) for r in ranks]
+    record.computation_dtypes = ranks[0].get("computation_dtypes", {})
+    record.live_tensors = _live_tensors(ranks)
     cut = [dict(r["cut_short"], rank=r["rank"]) for r in ranks if r.get("cut_short")]
     if cut:
         record.cut_short = {"ranks": cut, "meaning": "ranks stopped by SIGTERM; figures cover the steps done"}

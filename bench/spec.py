@@ -243,6 +243,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
 
     framework = dict(cfg["framework"])
     name = _choice("framework", framework.pop("name"), registry.names())
+    framework.pop("default_precision", None)  # already resolved into `precision` by the config
     stage = _choice("stage", cfg["stage"]["name"], tuple(STAGE_CHOICES))
     steps = dict(cfg["stage_steps"])
     if cfg.get("steps") is not None:  # this run's stages only: a prerequisite RM keeps its own default

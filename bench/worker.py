@@ -97,6 +97,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result.update(loop.run(stage, init))
         result["notes"] = adapter.notes()
         result["upstream_defects"] = adapter.upstream_defects()
+        result["computation_dtypes"] = adapter.computation_dtypes()
         stability = result["stability"]
         if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
             result["status"] = "nan"

@@ -50,7 +50,7 @@ def plain_pytorch_sft_losses(overrides: list[str], steps: int) -> list[float]:
 
 @pytest.mark.skipif(not ON_CPU, reason="the ddp plugin on a GPU runs TF32/cuBLAS kernels: not bitwise a CPU loop")
 def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop(run_bench):
-    overrides = [CAI, "stage=sft", "steps=6", "launcher.device=cpu"]
+    overrides = [CAI, "stage=sft", "steps=6", "launcher.device=cpu", "precision=fp32"]
     record = run_bench(*overrides)
     sft = record["stages"]["sft"]
     assert sft["status"] == "ok", sft["error"]
@@ -121,7 +121,7 @@ def test_tensor_parallel_two_ranks_runs_every_stage(run_bench):
 def test_pipeline_parallel_with_data_parallel_replicas_trains_sft(run_bench):
     """pp=2 x dp=2 on 4 ranks: both stages of a replica must draw the same batch (colossalai lays its mesh
     out as (dp, pp, tp), so the data-parallel rank comes from the plugin's own groups)."""
-    record = run_bench(CAI, "stage=sft", "pp=2", "launcher.nproc=4", "steps=3", "warmup_steps=1")
+    record = run_bench(CAI, "stage=sft", "pp=2", "launcher.nproc=4", "steps=3", "warmup_steps=1", "precision=fp32")
     sft = record["stages"]["sft"]
     assert sft["status"] == "ok", sft["error"]
     curve = sft["learning"]["loss_curve"]

@@ -54,7 +54,7 @@ def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench,
     assert sft["stability"]["classification"] == "stable"
 
 
-def test_rm_bf16_zero2_lora_trains_only_adapters_and_head(run_bench):
+def test_rm_bf16_zero2_lora_freezes_the_wrapped_weights(run_bench):
     record = run_bench("stage=rm", "zero=2", "precision=bf16", "lora=8", TORCH_ADAMW)
     rm = record["stages"]["rm"]
     assert rm["status"] == "ok"
@@ -63,7 +63,8 @@ def test_rm_bf16_zero2_lora_trains_only_adapters_and_head(run_bench):
     assert sum(curve[-5:]) < sum(curve[:5]), curve
     assert 0 <= rm["learning"]["accuracy_start"] <= 1 and 0 <= rm["learning"]["accuracy_end"] <= 1
     params = rm["params"]["reward"]
-    assert 0 < params["trainable"] < params["total"] / 5  # LoRA factors plus the v_head
+    # the wrapped block weights freeze; LoRA factors, biases, norms, embeddings and the v_head train
+    assert 0 < params["trainable"] < params["total"] / 5
     state = rm["model_state"]["reward"]
     assert state["trainable_param_bytes_per_rank"][0] < state["param_bytes_per_rank"][0] / 5
 
@@ -73,6 +74,9 @@ def test_ppo_fp16_zero3_lora_builds_four_engines_and_tracks_the_loss_scale(run_b
     ppo = record["stages"]["ppo"]
     assert ppo["status"] == "ok", ppo["error"]
     assert set(ppo["params"]) == {"actor", "ref", "critic", "reward"}
+    params = ppo["params"]
+    assert params["actor"]["trainable"] < params["actor"]["total"]  # LoRA rank 8: the wrapped weights freeze
+    assert params["critic"]["trainable"] == params["critic"]["total"]  # critic_lora_dim 0, as upstream
     state = ppo["model_state"]
     assert state["ref"]["optimizer_state_bytes_per_rank"] == [0] == state["reward"]["optimizer_state_bytes_per_rank"]
     assert state["actor"]["optimizer_state_bytes_per_rank"][0] > 0
@@ -94,6 +98,18 @@ def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
     assert record["stages"]["ppo"]["checkpoint"].endswith("ppo/checkpoint/actor.pt")
     spec = json.loads((Path(record["stages"]["ppo"]["checkpoint"]).parents[1] / "spec.json").read_text())
     assert spec["stage"] == "pipeline"
+    assert [e["knob"] for e in record["harness_extension"]] == ["framework.optimizer=torch_adamw"]
+
+
+def test_compute_fp32_loss_upcasts_the_experience_logits_and_values_but_not_the_new_log_probs(run_bench):
+    record = run_bench("zero=2", "precision=bf16", "steps=1", "warmup_steps=0", "framework.compute_fp32_loss=true",
+                       TORCH_ADAMW)
+    ppo = record["stages"]["ppo"]
+    assert ppo["status"] == "ok", ppo["error"]
+    assert ppo["computation_dtypes"] == {
+        "experience/log_probs": "torch.float32", "experience/values": "torch.bfloat16",
+        "experience/reward_score": "torch.bfloat16", "update/log_probs": "torch.bfloat16",
+        "update/values": "torch.float32"}  # as generate_experience and train_rlhf / critic_loss_fn
 
 
 @pytest.mark.slow

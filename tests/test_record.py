@@ -176,3 +176,49 @@ def test_on_cuda_the_breakdown_counts_only_model_state_on_the_gpu():
     parts = record.memory["phases"]["training"]["breakdown_bytes_per_rank"][0]
     assert parts == {"process_start_bytes": 0, "runtime_bytes": 2 * MIB, "model_state_bytes": 10 * MIB,
                      "rest_bytes": 88 * MIB}
+
+
+def test_trlx_reward_function_is_its_own_breakdown_line_and_counts_only_on_the_ranks_device():
+    rank = _rank(0, {"imports": [0], "init": [50 * MIB], "training": [100 * MIB]}, [1.0], [1.0])
+    rank.update(device="cuda:0", process_start_bytes=0, baseline_bytes=2 * MIB)
+    rank["model_state"]["actor"]["accelerator_bytes"] = 10 * MIB
+    rank["model_state"]["reward_fn"] = {"param_bytes": 6 * MIB, "optimizer_state_bytes": 0,
+                                        "trainable_param_bytes": 0, "accelerator_bytes": 6 * MIB, "device": "cuda:0"}
+    parts = stage_record("ppo", [rank], warmup=0, wall_time_s=1.0).memory["phases"]["training"][
+        "breakdown_bytes_per_rank"][0]
+    # 100 = 0 start + 2 runtime + 10 engines + 6 reward function + 82 rest
+    assert parts == {"process_start_bytes": 0, "runtime_bytes": 2 * MIB, "model_state_bytes": 10 * MIB,
+                     "reward_fn_bytes": 6 * MIB, "rest_bytes": 82 * MIB}
+    rank["model_state"]["reward_fn"]["device"] = "cuda:7"  # upstream's own GPU: not in this rank's peak
+    parts = stage_record("ppo", [rank], warmup=0, wall_time_s=1.0).memory["phases"]["training"][
+        "breakdown_bytes_per_rank"][0]
+    assert parts["reward_fn_bytes"] == 0 and parts["rest_bytes"] == 88 * MIB
+
+
+def test_live_tensors_come_from_the_lowest_rank_that_reached_each_point():
+    ranks = [_rank(r, {"imports": [MIB], "init": [MIB], "training": [MIB]}, [1.0], [1.0]) for r in (0, 1)]
+    groups = [{"shape": [2, 8, 50304], "dtype": "float16", "device": "cpu", "count": 2,
+               "storage_bytes": 1_609_728, "total_bytes": 3_219_456}]
+    ranks[1]["live_tensors"] = {"reward_call": groups, "reference_call": []}
+    ranks[0]["live_tensors"] = {"reference_call": groups}
+    live = stage_record("ppo", ranks, warmup=0, wall_time_s=1.0).live_tensors
+    assert live["reward_call"] == {"rank": 1, "groups": groups}
+    assert live["reference_call"] == {"rank": 0, "groups": groups}
+    assert "gc census" in live["method"]
+
+
+def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes():
+    from bench.collect import stage_row
+
+    record = {"config": {"framework": {"name": "trlx", "ppo": {"ppo_epochs": 4}}, "batch": 4,
+                         "launcher": {"nproc": 2}, "model": {"name": "tiny"}},
+              "harness_extension": [{"knob": "grad_ckpt=true", "reason": "..."}]}
+    result = {"status": "ok", "throughput": {"phases": {
+        "generation": {"time_s_per_step": 1.0}, "experience": {"time_s_per_step": 0.5},
+        "training": {"time_s_per_step": 4.0}}}}
+    row = stage_row("r", record, "ppo", result)
+    # step: 1 + 0.5 + 4 = 5.5 s for 8 samples; one pass: 1 + 0.5 + 4 / 4 = 2.5 s
+    assert row["update_passes"] == 4
+    assert row["samples_per_s_step"] == pytest.approx(8 / 5.5)
+    assert row["samples_per_s_one_pass"] == pytest.approx(8 / 2.5)
+    assert row["harness_extension"] == "grad_ckpt=true"

@@ -154,3 +154,24 @@ def test_decision_leaf_decides_only_what_the_data_supports():
     budget = leaf([_row("dschat", 10.0, peak=1e9), _row("trlx", 20.0, peak=3e9)], 2e9, frameworks)
     assert isinstance(budget, Leaf) and budget.verdict.startswith("dschat")
     assert any("trlx: ruled out -- over the budget" in e for e in budget.evidence)
+
+
+def test_decision_tree_leaves_out_harness_extension_cells_unless_asked():
+    from bench.report.decision import build, questions
+
+    extension = dict(_row("trlx", 50.0), harness_extension="grad_ckpt=true")
+    rows = [_row("dschat", 10.0), _row("colossalai", 20.0), extension]
+    tree = build(rows)
+    assert "1 harness-extension run(s) left out" in tree.question
+    bf16_full = dict(questions(tree))[("tiny", "bf16", "full fine-tuning")]
+    assert bf16_full.verdict.startswith("colossalai")
+    assert any(e.startswith("not measured in this branch: trlx") for e in bf16_full.evidence)
+    counted = dict(questions(build(rows, include_extensions=True)))[("tiny", "bf16", "full fine-tuning")]
+    assert counted.verdict.startswith("trlx")
+
+
+def test_decision_tree_compares_ppo_at_one_update_pass():
+    # trlx's 4 epochs make its step slower; at one pass per rollout it is the faster one
+    rows = [dict(_row("dschat", 10.0), samples_per_s_one_pass=10.0),
+            dict(_row("trlx", 5.0), samples_per_s_one_pass=15.0)]
+    assert leaf(rows, None, ["dschat", "trlx"]).verdict.startswith("trlx")

@@ -94,7 +94,7 @@ def test_framework_choices_are_validated(overrides, expected):
         ([CAI, "stage=ppo", "pp=2", "launcher.nproc=2"], "runs a pipeline only in SFT"),
         ([CAI, "stage=sft", "tp=2", "lora=8", "launcher.nproc=2"], "supports LoRA only at tp=1"),
         ([CAI, "zero=3", "lora=8", "precision=bf16"], "LoRA is not supported in GeminiPlugin"),
-        ([CAI, "plugin=3d", "zero=1"], "needs precision bf16 or fp16"),
+        ([CAI, "plugin=3d", "zero=1", "precision=fp32"], "needs precision bf16 or fp16"),
         ([CAI, "plugin=ddp", "precision=bf16"], "would silently train fp32"),
         ([CAI, "zero=0", "offload=true", "plugin=ddp"], "offload=true needs zero >= 1"),
         (["framework=dschat", "tp=2", "launcher.nproc=2"], "dschat trains without tensor or pipeline parallelism"),
@@ -116,7 +116,8 @@ def test_colossalai_auto_plugin_follows_the_config_table():
         choice = ColossalOptions.from_dict(s.framework_options).resolve_plugin(s)
         return choice.name, choice.cls
 
-    assert plugin() == ("ddp", "TorchDDPPlugin")
+    assert plugin() == ("3d", "HybridParallelPlugin")  # coati's default precision is fp16
+    assert plugin("precision=fp32") == ("ddp", "TorchDDPPlugin")
     assert plugin("precision=bf16") == ("3d", "HybridParallelPlugin")
     assert plugin("zero=1") == ("zero1", "LowLevelZeroPlugin")
     assert plugin("zero=2", "offload=true") == ("zero2_cpu", "LowLevelZeroPlugin")
@@ -186,7 +187,7 @@ def test_the_colossalai_precision_mixin_is_found_under_each_of_its_names():
     import inspect
     from types import SimpleNamespace
 
-    from adapters.colossalai.adapter import precision_mixin
+    from adapters.colossalai.update import precision_mixin
 
     # colossalai 0.5.0's GeminiOptimizer keeps it as `mix_precision_mixin` (read from the installed source)
     gemini = pytest.importorskip("colossalai.zero.gemini.gemini_optimizer")

@@ -178,3 +178,42 @@ def test_nvml_absent_is_not_available(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     assert "pynvml not installed" in memory.MemoryTracker(torch.device("cuda", 0)).outside_allocator()["not_available"]
+
+
+def test_live_tensor_census_lists_what_appeared_after_arming_once_per_storage():
+    from bench.trackers.live_tensors import LiveTensorProbe
+
+    kept_from_setup = torch.zeros(1000)  # alive when the probe is armed: not listed
+    module = torch.nn.Linear(4, 4)
+    probe = LiveTensorProbe({"call": module})
+    logits = torch.zeros(2, 8, 300, dtype=torch.float16)
+    view = logits[:, :-1]  # a view shares the storage: listed once, with the largest view's shape
+    qkv = torch.zeros(16, 12)
+    k, v = qkv[:, 4:8], qkv[:, 8:]  # K and V of a fused projection keep the whole storage alive
+    del qkv
+    module(torch.zeros(1, 4))
+    module(torch.zeros(1, 4))  # a second call takes no second census
+    groups = probe.close()["call"]
+    shapes = {tuple(g["shape"]): g for g in groups}
+    assert shapes[(2, 8, 300)] == {"shape": [2, 8, 300], "dtype": "float16", "device": "cpu", "count": 1,
+                                   "storage_bytes": 2 * 8 * 300 * 2, "total_bytes": 2 * 8 * 300 * 2}
+    assert shapes[(16, 12)]["count"] == 1  # the views keep their base (the fused projection) alive: listed once
+    assert (1000,) not in shapes
+    assert groups[0]["shape"] == [2, 8, 300]  # largest first
+    assert module._forward_pre_hooks == {}  # closed: the hooks are gone
+    del kept_from_setup, view, k, v
+
+
+def test_global_grad_norm_accumulates_in_fp32_without_copies():
+    from adapters.grad_norm import global_grad_norm
+
+    a = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    b = torch.nn.Parameter(torch.zeros(1))
+    c = torch.nn.Parameter(torch.zeros(1))  # no gradient: skipped
+    a.grad = torch.tensor([3.0, 4.0], dtype=torch.float16)
+    b.grad = torch.tensor([12.0])
+    assert global_grad_norm([a, b, c]) == pytest.approx(13.0)  # sqrt(9 + 16 + 144)
+    big = torch.nn.Parameter(torch.zeros(2, dtype=torch.float16))
+    big.grad = torch.tensor([60000.0, 60000.0], dtype=torch.float16)  # the norm overflows fp16, not fp32
+    assert global_grad_norm([big]) == pytest.approx(60000.0 * 2**0.5, rel=1e-3)
+    assert global_grad_norm([c]) is None

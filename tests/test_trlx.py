@@ -33,11 +33,11 @@ def test_sft_rm_ppo_pipeline_on_accelerate(run_bench, zero, precision, lora, npr
     assert (f"DeepSpeed ZeRO-{zero}" in engine) if zero != "0" else ("no DeepSpeed" in engine)
     if zero == "0" and nproc == "2":  # plain accelerate must wrap DDP (MULTI_CPU / MULTI_GPU), not run 2 copies
         assert "accelerate MULTI_" in engine, engine
-    # One trainable model: policy and critic share the trunk; reward lives on rank 0 only.
-    assert set(ppo["model_state"]) - {"method"} <= {"actor", "ref", "reward"}
+    # One trainable model: policy and critic share the trunk; the reward function lives on rank 0 only.
+    assert set(ppo["model_state"]) - {"method"} <= {"actor", "ref", "reward_fn"}
     assert ppo["model_state"]["actor"]["optimizer_state_bytes_per_rank"][0] > 0
     if nproc == "2":
-        assert ppo["model_state"]["reward"]["param_bytes_per_rank"][1] is None
+        assert ppo["model_state"]["reward_fn"]["param_bytes_per_rank"][1] is None
     reference = next(n for n in ppo["notes"] if n.startswith("reference:"))
     assert ("adapters disabled" in reference) if lora != "0" else ("hydra branch" in reference)
     if precision == "fp16":

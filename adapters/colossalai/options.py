@@ -14,8 +14,7 @@ LORA_BIAS = ("none", "all", "lora")
 
 @dataclass(frozen=True)
 class LoraOptions:
-    alpha: float = 32.0
-    linear_dropout: float = 0.1
+    alpha: float = 32.0  # reaches the embedding wrapper only: coati's linear wrapper keeps LoraLinear's 32
     embedding_dropout: float = 0.0
     train_bias: str = "none"
 
@@ -76,6 +75,7 @@ class ColossalOptions:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ColossalOptions:
         data = dict(data)
+        data.pop("default_precision", None)  # the config group's default for the common `precision` knob
         try:
             options = cls(
                 **{
@@ -148,6 +148,24 @@ class ColossalOptions:
             raise UnsupportedError(f"no colossalai plugin for zero={spec.zero} precision={spec.precision} "
                                    f"offload={spec.offload} (framework.auto_plugin has no {key!r})")
         return self.auto_plugin[key]
+
+    @classmethod
+    def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:
+        """Knobs of this run ColossalChat's own scripts cannot run."""
+        options = cls.from_dict(spec.framework_options)
+        plugin = options.resolve_plugin(spec)
+        found = []
+        if spec.precision == "fp32":
+            found.append({"knob": "precision=fp32",
+                          "reason": "ColossalChat's --mixed_precision takes fp16 or bf16 only"})
+        if plugin.cls == "LowLevelZeroPlugin" and plugin.zero_stage == 1:
+            found.append({"knob": f"plugin={plugin.name}", "reason": "no ColossalChat script offers ZeRO-1"})
+        elif plugin.cls == "TorchDDPPlugin" and "ppo" in spec.stages:
+            found.append({"knob": f"plugin={plugin.name}",
+                          "reason": "train_ppo.py's --plugin choices are gemini, gemini_auto, zero2, zero2_cpu, 3d"})
+        if options.optimizer == "torch_adamw":
+            found.append({"knob": "framework.optimizer=torch_adamw", "reason": "ColossalChat always builds HybridAdam"})
+        return found
 
     @classmethod
     def validate(cls, spec: RunSpec) -> ColossalOptions:

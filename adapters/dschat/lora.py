@@ -3,7 +3,8 @@
 Kept faithful where it matters for memory and numerics: rank r factors named `lora_right_weight`
 (d_in x r, kaiming-uniform) and `lora_left_weight` (r x d_out, zeros), scaling = lora_scaling / r with
 lora_scaling = 1 (effective alpha 1), no dropout, every linear whose name contains a substring
-converted, and `only_optimize_lora` freezing everything else. It also wraps GPT-2's Conv1D (a linear
+converted. LinearLayer_LoRA freezes only the weight it wraps: its bias and every unconverted parameter
+keep training unless the opt-in `only_optimize_lora` freezes everything else. It also wraps GPT-2's Conv1D (a linear
 with a transposed weight), which the GLM-shaped stand-in uses for its fused QKV and MLP.
 """
 
@@ -28,8 +29,7 @@ class LoRALinear(nn.Module):
         self.lora_left_weight = nn.Parameter(torch.zeros(rank, d_out))
         nn.init.kaiming_uniform_(self.lora_right_weight, a=math.sqrt(5))
         self.lora_scaling = lora_scaling / rank
-        for p in self.base.parameters():
-            p.requires_grad_(False)
+        self.base.weight.requires_grad_(False)  # the bias keeps training, as in LinearLayer_LoRA
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.base(x) + (x @ self.lora_right_weight @ self.lora_left_weight) * self.lora_scaling

@@ -29,7 +29,7 @@ class DSChatOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
     prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = (
         "ppo", "hybrid_engine", "lora_module_name", "lora_lr", "only_optimize_lora", "fp16_loss_scale_window",
-        "fix_fp16_zero0_loss_scale")
+        "fix_fp16_zero0_loss_scale", "compute_fp32_loss", "actor_dropout", "critic_dropout", "critic_lora_dim")
     optimizer: str = "fused_adam"
     hybrid_engine: bool = False
     weight_decay: float = 0.0
@@ -38,13 +38,18 @@ class DSChatOptions:
     fp16_loss_scale_window: int = 100
     lora_module_name: str = "h."
     lora_lr: float = 5e-4
-    only_optimize_lora: bool = True
+    only_optimize_lora: bool = False
+    critic_lora_dim: int = 0
+    actor_dropout: float | None = 0.0
+    critic_dropout: float | None = None
+    compute_fp32_loss: bool = False
     fix_fp16_zero0_loss_scale: bool = False
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DSChatOptions:
         data = dict(data)
+        data.pop("default_precision", None)  # the config group's default for the common `precision` knob
         try:
             ppo = PPOOptions(**dict(data.pop("ppo", {})))
             options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))), "ppo": ppo})
@@ -57,9 +62,32 @@ class DSChatOptions:
         if not isinstance(options.fix_fp16_zero0_loss_scale, bool):
             raise SpecError(f"framework.fix_fp16_zero0_loss_scale={options.fix_fp16_zero0_loss_scale!r} must be "
                             "true or false")
+        for name in ("only_optimize_lora", "compute_fp32_loss"):
+            if not isinstance(getattr(options, name), bool):
+                raise SpecError(f"framework.{name}={getattr(options, name)!r} must be true or false")
+        if isinstance(options.critic_lora_dim, bool) or not isinstance(options.critic_lora_dim, int) \
+                or options.critic_lora_dim < 0:
+            raise SpecError(f"framework.critic_lora_dim={options.critic_lora_dim!r} must be an integer >= 0")
+        for name in ("actor_dropout", "critic_dropout"):
+            value = getattr(options, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 <= value < 1):
+                raise SpecError(f"framework.{name}={value!r} must be null (keep the model's) or a number in [0, 1)")
         if options.ppo.ppo_epochs < 1:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
         return options
+
+    @classmethod
+    def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:
+        """Knobs of this run DS-Chat's own scripts cannot run."""
+        options = cls.from_dict(spec.framework_options)
+        found = []
+        if spec.precision == "fp32":
+            found.append({"knob": "precision=fp32", "reason": "DS-Chat's --dtype takes fp16 or bf16 only"})
+        if options.optimizer == "torch_adamw":
+            found.append({"knob": "framework.optimizer=torch_adamw",
+                          "reason": "DS-Chat always builds FusedAdam (DeepSpeedCPUAdam with --offload)"})
+        return found
 
     @classmethod
     def validate(cls, spec: RunSpec) -> DSChatOptions:

@@ -19,9 +19,10 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 
 class RewardModel(nn.Module):
-    def __init__(self, base: nn.Module, hidden: int) -> None:
+    def __init__(self, base: nn.Module, hidden: int, compute_fp32_loss: bool = False) -> None:
         super().__init__()
         self.config = base.config
+        self.compute_fp32_loss = compute_fp32_loss
         self.rwtransformer = base
         self.v_head = nn.Linear(hidden, 1, bias=False)
 
@@ -37,8 +38,11 @@ class RewardModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """Pairwise loss over a batch of [chosen; rejected]: -log sigmoid(r_c - r_r) on every token from
-        the first divergent token to the later of the two ends, averaged per pair, as DS-Chat does."""
-        values = self.values(input_ids, attention_mask).float()
+        the first divergent token to the later of the two ends, averaged per pair, as DS-Chat does; in the
+        model's dtype unless compute_fp32_loss."""
+        values = self.values(input_ids, attention_mask)
+        if self.compute_fp32_loss:
+            values = values.float()
         pairs = input_ids.shape[0] // 2
         chosen_ids, rejected_ids = input_ids[:pairs], input_ids[pairs:]
         chosen_v, rejected_v = values[:pairs], values[pairs:]

@@ -68,14 +68,17 @@ class PolicyWithValueHead(nn.Module):
         return self.base_model.get_base_model() if hasattr(self.base_model, "get_base_model") else self.base_model
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, reference: bool = False):
-        """(logits, values, hidden states) of the policy; with `reference`, the reference logits. Both go
-        through forward so that engines (DDP, ZeRO-3 gathering, autocast) see every call."""
+        """(values, the LM's whole output) of the policy; with `reference`, the reference logits. The logits
+        are read from the output: returned once, so that accelerate's fp32 conversion copies them once.
+        Like trlx's forward it asks for every hidden state and leaves `use_cache` to the model's config, so
+        the output also holds the KV cache of every layer. Both go through forward so that engines (DDP,
+        ZeRO-3 gathering, autocast) see every call."""
         if reference:
             return self._reference_logits(input_ids, attention_mask)
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids(attention_mask), output_hidden_states=True, use_cache=False)
+                              position_ids=position_ids(attention_mask), output_hidden_states=True)
         values = self.v_head(out.hidden_states[-1].to(self.v_head[0].weight.dtype)).squeeze(-1)
-        return out.logits, values, out.hidden_states
+        return values, out
 
     @torch.no_grad()
     def _reference_logits(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -84,21 +87,34 @@ class PolicyWithValueHead(nn.Module):
         if self.frozen_head is None:
             with self.base_model.disable_adapter():
                 return self.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids(attention_mask), use_cache=False).logits
-        _, _, hidden_states = self.forward(input_ids, attention_mask)
-        return self.frozen_head(hidden_states[-(self.hydra_layers + 1)], attention_mask)
+                                       position_ids=position_ids(attention_mask)).logits
+        _, out = self.forward(input_ids, attention_mask)
+        return self.frozen_head(out.hidden_states[-(self.hydra_layers + 1)], attention_mask)
 
 
 def freeze_bottom_layers(lm: nn.Module, num_layers_unfrozen: int) -> None:
-    """trlx's freeze_bottom_causal_layers: embeddings (and the tied LM head) and all blocks below the top
-    `num_layers_unfrozen` stop training; -1 keeps everything trainable."""
+    """trlx's freeze_bottom_causal_layers: the input embeddings (and the LM head tied to them) and all
+    blocks below the top `num_layers_unfrozen` stop training; -1 keeps everything trainable. The position
+    table is not an input embedding to it, so it keeps training, as upstream."""
     if num_layers_unfrozen < 0:
         return
     blocks = lm.transformer.h
-    frozen = [lm.transformer.wte, lm.transformer.wpe, *blocks[: len(blocks) - num_layers_unfrozen]]
+    frozen = [lm.get_input_embeddings(), *blocks[: len(blocks) - num_layers_unfrozen]]
     for module in frozen:
         for param in module.parameters():
             param.requires_grad_(False)
+
+
+def freeze_reward_backbone(model: nn.Module, unfrozen_fraction: float | None) -> None:
+    """train_reward_model_gptj.py: "Freeze the first 70% of the hidden layers of the reward model
+    backbone" -- blocks[:-int(0.3 * layers)]. Its slice freezes nothing when int(...) is 0 (fewer than
+    four layers), and that quirk is kept."""
+    if unfrozen_fraction is None:
+        return
+    blocks = model.transformer.h
+    unfrozen = int(unfrozen_fraction * len(blocks))
+    for block in blocks[:-unfrozen]:
+        block.requires_grad_(False)
 
 
 class GPTRewardModel(nn.Module):

@@ -37,19 +37,24 @@ class PPOOptions:
 @dataclass(frozen=True)
 class TrlxOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora")
+    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora",
+                                                          "reward_batch_size", "reward_device")
     reference: str = "auto"
     num_layers_unfrozen: int = 2
     optimizer: str = "adamw"
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 1e-6
+    rm_unfrozen_fraction: float | None = 0.3
+    reward_batch_size: int = 48
+    reward_device: str | None = None
     lora: LoraOptions = field(default_factory=LoraOptions)
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrlxOptions:
         data = dict(data)
+        data.pop("default_precision", None)  # the config group's default for the common `precision` knob
         try:
             options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))),
                              "lora": LoraOptions(**dict(data.get("lora", {}))),
@@ -66,6 +71,18 @@ class TrlxOptions:
                             f"choose one of: {', '.join(SCALE_REWARD)}")
         if options.ppo.ppo_epochs < 1:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
+        if isinstance(options.reward_batch_size, bool) or not isinstance(options.reward_batch_size, int) \
+                or options.reward_batch_size < 1:
+            raise SpecError(f"framework.reward_batch_size={options.reward_batch_size!r} must be an integer >= 1")
+        fraction = options.rm_unfrozen_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                     or not 0 < fraction <= 1):
+            raise SpecError(f"framework.rm_unfrozen_fraction={fraction!r} must be null (train every layer) or a "
+                            "number in (0, 1]")
+        device = options.reward_device
+        if device is not None and not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
+            raise SpecError(f"framework.reward_device={device!r} is not allowed; choose null (rank 0's training "
+                            "device), cpu or cuda:N")
         return options
 
     def reference_mode(self, lora: int) -> str:
@@ -73,6 +90,14 @@ class TrlxOptions:
         if self.reference == "auto":
             return "peft" if lora else "full" if self.num_layers_unfrozen == -1 else "hydra"
         return self.reference
+
+    @classmethod
+    def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:
+        """Knobs of this run trlx's own trainers cannot run."""
+        found = []
+        if spec.grad_ckpt:
+            found.append({"knob": "grad_ckpt=true", "reason": "trlx's trainers have no gradient-checkpointing knob"})
+        return found
 
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:

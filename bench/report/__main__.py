@@ -27,6 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, help="per-rank memory budget for the decision tree, GiB")
     parser.add_argument("--stage", choices=decision.STAGE_PREFERENCE,
                         help="stage the decision tree decides on (default: ppo if measured, else rm, else sft)")
+    parser.add_argument("--include-harness-extensions", action="store_true",
+                        help="let the decision tree count cells only this harness can run (tagged harness_extension)")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     if not os.path.isdir(args.root):
@@ -48,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         collection=collection,
         tables=tables.all_tables(collection.rows),
         plots=plots.all_plots(collection.rows, collection.records, os.path.join(out, "plots")),
-        tree=decision.build(collection.rows, budget, args.stage),
+        tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),
         claims=claims.check_all(collection.rows, collection.records),
         generated_utc=utc_now(),
     )

@@ -2,7 +2,10 @@
 
 Questions: which model, which precision, LoRA or full fine-tuning. At each leaf, per framework: the
 fastest configuration that finished, stayed numerically stable and fits the memory budget (peak, max
-over ranks); the leaf names the fastest framework, or says why the data cannot decide.
+over ranks); the leaf names the fastest framework, or says why the data cannot decide. Speed is samples/s
+at one update pass per rollout (equal work: trlx's 4 PPO epochs count as one). Cells only this harness
+can run (`harness_extension`: DS-Chat or coati in fp32, coati's PPO on ddp/zero1, trlx with gradient
+checkpointing, ...) are left out unless asked for: no user of the framework could deploy them.
 """
 
 from __future__ import annotations
@@ -49,6 +52,12 @@ def _config_text(runs: list[dict[str, Any]]) -> str:
     return f"zero={r['zero']} lora={r['lora']} batch={r['batch']} x{r['nproc']} ranks{extra}"
 
 
+def speed(row: dict[str, Any]) -> float | None:
+    """samples/s at one update pass per rollout where the row has it (PPO), else per step."""
+    one_pass = row.get("samples_per_s_one_pass")
+    return one_pass if one_pass is not None else row.get("samples_per_s_step")
+
+
 def _why_not(runs: list[dict[str, Any]], budget: float | None) -> str:
     statuses = sorted({r["status"] for r in runs})
     if "ok" not in statuses:
@@ -70,13 +79,13 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
     for framework in sorted({r["framework"] for r in rows}):
         runs = [r for r in rows if r["framework"] == framework]
         fitting = [r for r in runs if r["status"] == "ok" and r.get("stability") in STABLE
-                   and r.get("samples_per_s_step") is not None
+                   and speed(r) is not None
                    and (budget is None or (r.get("peak_bytes") is not None and r["peak_bytes"] <= budget))]
         if not fitting:
             evidence.append(f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)")
             continue
-        best = max(group(fitting).values(), key=lambda cell: stat([r["samples_per_s_step"] for r in cell]).median)
-        candidate = Candidate(framework, _config_text(best), stat([r["samples_per_s_step"] for r in best]),
+        best = max(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median)
+        candidate = Candidate(framework, _config_text(best), stat([speed(r) for r in best]),
                               stat([r["peak_bytes"] for r in best]).median)
         candidates.append(candidate)
         evidence.append(f"{framework}: fastest fitting config {candidate.config}: "
@@ -106,12 +115,19 @@ def decision_stage(rows: list[dict[str, Any]]) -> str | None:
     return next((s for s in STAGE_PREFERENCE if any(r["stage"] == s for r in rows)), None)
 
 
-def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: str | None = None) -> Node:
+def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: str | None = None,
+          include_extensions: bool = False) -> Node:
     stage = stage or decision_stage(rows)
     frameworks = sorted({r["framework"] for r in rows})
     rows = [r for r in rows if r["stage"] == stage]
+    extensions = [r for r in rows if r.get("harness_extension")]
+    if not include_extensions:
+        rows = [r for r in rows if not r.get("harness_extension")]
     budget = f"{budget_bytes / MIB:,.0f} MiB per rank" if budget_bytes else "no budget given (finishing = fits)"
-    root = Node(f"Which model? (decided on the {stage} stage; memory budget: {budget})")
+    left_out = ("harness-extension cells counted (--include-harness-extensions)" if include_extensions else
+                f"{len(extensions)} harness-extension run(s) left out: knobs the frameworks' own scripts cannot run; "
+                "--include-harness-extensions counts them")
+    root = Node(f"Which model? (decided on the {stage} stage; memory budget: {budget}; {left_out})")
     for model in sorted({r["model"] for r in rows}):
         by_model = [r for r in rows if r["model"] == model]
         precision_node = Node("Which precision?")

@@ -10,7 +10,7 @@ from bench.report.aggregate import CELL_COLUMNS, group, stat, status_of
 
 MIB = 1024.0 * 1024.0
 SHOWN_CONFIG = ("framework", "stage", "precision", "zero", "lora", "batch", "nproc")
-EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference", "upstream_fix")
+EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension")
 
 
 @dataclass
@@ -67,7 +67,8 @@ def memory_table(rows: list[dict[str, Any]]) -> Table:
 def throughput_table(rows: list[dict[str, Any]]) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p not in ("imports", "init")]
     config = _config_header(rows)
-    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "generation share %"]
+    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "update passes",
+                                                                      "samples/s at one pass", "generation share %"]
     body = []
     for cell, runs in group(rows).items():
         ok = [r for r in runs if r["status"] == "ok"]
@@ -76,12 +77,18 @@ def throughput_table(rows: list[dict[str, Any]]) -> Table:
         body.append(_config_cells(cell, config) + [str(len(ok))]
                     + [stat([r.get(f"tokens_per_s_{p}") for r in ok]).fmt() for p in phases]
                     + [stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
+                       str(ok[0].get("update_passes") or "-"),
+                       stat([r.get("samples_per_s_one_pass") for r in ok]).fmt(digits=2),
                        stat([r.get("share_generation") for r in ok]).fmt(0.01, 0)])
     return Table("throughput", "Throughput",
                  "Tokens/s per phase: real (non-pad) tokens summed over data-parallel replicas / the slowest "
                  "rank's time, warm-up steps excluded (time.perf_counter around each phase). Step samples/s: "
-                 "samples of one step over all replicas / the summed per-phase step times. Generation share: "
-                 "generation's share of the PPO step time. Median over repeated ok runs.", header, body)
+                 "samples of one step over all replicas / the summed per-phase step times. Update passes: "
+                 "optimizer passes over each rollout per PPO step (trlx's ppo_epochs is 4, the others' 1); "
+                 "samples/s at one pass: the same step with its training time divided by the passes, so "
+                 "frameworks compare on equal work. Generation share: generation's share of the PPO step time. "
+                 "A harness_extension column names knobs the framework's own scripts cannot run. Median over "
+                 "repeated ok runs.", header, body)
 
 
 def stability_table(rows: list[dict[str, Any]]) -> Table:

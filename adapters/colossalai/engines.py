@@ -1,0 +1,143 @@
+"""ColossalChat's models, plugins and boosters per stage (train_sft.py, train_rm.py, train_ppo.py).
+
+PPO: four separate models as train_ppo.py builds them -- actor and critic each with their own HybridAdam
+and booster, reference and reward boosted without an optimizer (shuttled to the host for the update and
+back for rollout when `offload_inference_models`); under 3d the critic and reward use a second plugin
+whose policy is the backbone's. Dropout is disabled in actor and critic, as train_ppo.py does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from adapters.colossalai.lora import convert_to_lora
+from adapters.colossalai.models import Critic, RewardModel, build_backbone
+from bench.models import build_causal_lm, count_params, set_dropout
+
+
+class Engines:
+    """Building half of ColossalAdapter (a mixin)."""
+
+    def _make_plugin(self, custom_policy: Any = None):
+        from colossalai.booster import plugin as plugins
+
+        kwargs = dict(self.plugin.kwargs)
+        if self.plugin.cls != "TorchDDPPlugin":
+            kwargs.update(precision=self.spec.precision, initial_scale=self.options.initial_scale,
+                          max_norm=self.options.grad_clip)
+        if self.plugin.cls in ("LowLevelZeroPlugin", "HybridParallelPlugin") and self.ctx.device.type == "cpu":
+            # Overlapping ZeRO's reduction records CUDA streams on its buffers; CPU tensors reject that.
+            kwargs["overlap_communication"] = False
+        if custom_policy is not None:
+            kwargs["custom_policy"] = custom_policy
+        return getattr(plugins, self.plugin.cls)(**kwargs)
+
+    def _optimizer(self, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+        params = [p for p in model.parameters() if p.requires_grad]
+        betas = tuple(self.options.betas)
+        if self.options.optimizer == "torch_adamw":
+            return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=self.options.weight_decay)
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(params, lr=lr, betas=betas, weight_decay=self.options.weight_decay, adamw_mode=True)
+
+    def _lm(self, checkpoint: str | None) -> torch.nn.Module:
+        torch.manual_seed(self.spec.seed)  # every role starts from the same "pretrained" base weights
+        model = build_causal_lm(self.spec.model)
+        if checkpoint:
+            model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
+        return model
+
+    def _value_model(self, cls: type, checkpoint: str | None, backbone_from_lm: str | None = None):
+        torch.manual_seed(self.spec.seed)
+        model = cls(build_backbone(self.spec.model))
+        if checkpoint:
+            model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
+        elif backbone_from_lm:
+            state = torch.load(backbone_from_lm, map_location="cpu", weights_only=True)
+            prefix = "transformer."
+            model.model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+        return model
+
+    def _lora(self, model: torch.nn.Module) -> None:
+        if not self.spec.lora:
+            return
+        if self.plugin.cls == "HybridParallelPlugin":
+            # Shardformer swaps the embeddings and LM head for its padded versions and cannot swap a
+            # LoRA-wrapped one ("Failed to replace wte of type LoraEmbedding"; coati users hit the same, #5507).
+            convert_to_lora(model, self.spec.lora, self.options.lora, embeddings=False, skip=("lm_head",))
+            note = "LoRA under HybridParallelPlugin: every linear layer but the LM head; embeddings stay frozen"
+            if note not in self._notes:
+                self._notes.append(note)
+        else:
+            convert_to_lora(model, self.spec.lora, self.options.lora)
+
+    def _boost(self, role: str, model: torch.nn.Module, lr: float | None, plugin: Any) -> None:
+        self._counts[role] = count_params(model)
+        optimizer = self._optimizer(model, lr) if lr is not None else None
+        booster = self._booster_cls(plugin=plugin)
+        model, optimizer, *_ = booster.boost(model=model, optimizer=optimizer)
+        self.models[role], self.boosters[role] = model, booster
+        if optimizer is not None:
+            self.optimizers[role] = optimizer
+        else:
+            model.eval()
+
+    def _value_plugin(self, plugin: Any) -> Any:
+        """coati boosts value models under 3d with a second plugin whose policy is their backbone's."""
+        if self.plugin.cls != "HybridParallelPlugin":
+            return plugin
+        from colossalai.shardformer.policies.auto_policy import get_autopolicy
+
+        return self._make_plugin(custom_policy=get_autopolicy(build_backbone(self.spec.model)))
+
+    def setup(self, stage: str, init: dict[str, str]) -> None:
+        plugin = self._plugin
+        if stage == "sft":
+            model = self._lm(init.get("sft"))
+            self._lora(model)
+            if self.spec.grad_ckpt:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._boost("actor", model, self.spec.stage_lr("sft"), plugin)
+        elif stage == "rm":
+            model = self._value_model(RewardModel, init.get("rm"))
+            self._lora(model)
+            if self.spec.grad_ckpt:
+                model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self._boost("reward", model, self.spec.stage_lr("rm"), self._value_plugin(plugin))
+        else:
+            self._setup_ppo(init, plugin)
+        optimizer = "HybridAdam" if self.options.optimizer == "hybrid_adam" else "torch AdamW"
+        self._notes.append(f"optimizer: {optimizer} (betas {tuple(self.options.betas)}, "
+                           f"weight decay {self.options.weight_decay})")
+        if self.plugin.cls == "TorchDDPPlugin":
+            self._notes.append("no gradient clipping: ColossalChat's ddp path passes no max_norm")
+
+    def _setup_ppo(self, init: dict[str, str], plugin: Any) -> None:
+        value_plugin = self._value_plugin(plugin)
+        actor = self._lm(init.get("sft"))
+        critic_ckpt = init.get("rm") if self.options.critic_from_rm else None
+        critic = self._value_model(Critic, critic_ckpt, backbone_from_lm=init.get("sft"))
+        self._lora(actor)
+        self._lora(critic)
+        set_dropout(actor, 0.0)  # train_ppo.py: disable_dropout(actor), disable_dropout(critic)
+        set_dropout(critic, 0.0)
+        if self.spec.grad_ckpt:
+            actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            critic.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._boost("actor", actor, self.spec.stage_lr("actor"), plugin)
+        self._boost("critic", critic, self.spec.stage_lr("critic"), value_plugin)
+        self._boost("reward", self._value_model(RewardModel, init.get("rm")), None, value_plugin)
+        self._boost("ref", self._lm(init.get("sft")), None, plugin)
+        self.shuttles_models = self.options.ppo.offload_inference_models and self.plugin.cls != "GeminiPlugin"
+        if not init.get("sft"):
+            self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
+        source = "the RM checkpoint" if critic_ckpt else "the SFT backbone with a fresh value head"
+        self._notes.append(f"critic starts from {source}")
+        self._notes.append(
+            f"PPO: {self.options.ppo.num_update_steps} update pass(es) per rollout (coati's default is 5); "
+            "positions skip left padding in every forward; the RM scores the stop token and the critic uses the "
+            "rollout's layout for old and new values (coati: one pad late, and misaligned by prompt padding)"
+        )

@@ -1,0 +1,143 @@
+"""Trlx's rollout and experience (AcceleratePPOTrainer.make_experience, examples/hh/ppo_hh.py reward_fn).
+
+Order and lifetimes as upstream: generate; gather every rank's samples to rank 0 (padded across
+processes); the reward function scores them there first, in micro-batches, in the run's precision; scores
+are clipped to +-cliprange_reward, the running moments see the clipped scores, then they are divided by
+the running std and scattered back. Only then the policy forward: it returns logits, values, every hidden
+state and the KV cache, all alive while the reference runs (forward_hydra, the peft-disabled model or the
+full copy). Log-probs are taken afterwards in the logits' dtype, and the experience moves to the host, as
+trlx's rollout store keeps it. A rollout keeps its own width: prompt plus the batch's longest answer.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from adapters.base import Experience, Rollout
+from adapters.rl_math import gather_log_probs, position_ids
+from bench.data import EOS, PAD, PromptBatch
+
+
+class ExperienceMaker:
+    """Rollout half of TrlxAdapter (a mixin)."""
+
+    @torch.no_grad()
+    def generate(self, batch: PromptBatch) -> Rollout:
+        ppo = self.options.ppo
+        lm = self._unwrapped.base_model
+        with self.accelerator.autocast():
+            sequences = lm.generate(
+                input_ids=batch.input_ids.to(self.ctx.device), attention_mask=batch.attention_mask.to(self.ctx.device),
+                max_new_tokens=self.spec.answer_len, do_sample=True, top_k=ppo.top_k, top_p=ppo.top_p,
+                pad_token_id=PAD, eos_token_id=EOS, suppress_tokens=[PAD],
+                synced_gpus=self.spec.zero == 3 and self.ctx.world_size > 1,
+            )
+        prompt_len = batch.input_ids.shape[1]
+        # Re-tokenised outputs padded to the longest in the batch: trailing all-pad columns go.
+        real = (sequences[:, prompt_len:] != PAD).any(0).nonzero()
+        width = prompt_len + (int(real.max()) + 1 if len(real) else 0)
+        sequences = sequences[:, :width]
+        mask = (sequences != PAD).long()
+        return Rollout(sequences=sequences, attention_mask=mask, prompt_len=prompt_len,
+                       prompt_tokens=int(mask[:, :prompt_len].sum()),
+                       generated_tokens=int(mask[:, prompt_len:].sum()))
+
+    def _score(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """create_reward_fn: the RM on its device, in micro-batches of reward_batch_size."""
+        device, chunk = self.reward_device, self.options.reward_batch_size
+        scores = [self.reward_model.end_scores(seq[i:i + chunk].to(device), mask[i:i + chunk].to(device))
+                  for i in range(0, seq.shape[0], chunk)]
+        return torch.cat(scores).float().to(seq.device)
+
+    def _scores(self, seq: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather every rank's samples to rank 0 (padded across processes), score them there, clip, update the
+        running moments, scale, scatter each rank's share back. Returns (RM scores, clipped and scaled)."""
+        ppo = self.options.ppo
+        world = self.ctx.world_size
+        if world > 1:
+            width = torch.tensor([seq.shape[1]], device=seq.device)
+            dist.all_reduce(width, op=dist.ReduceOp.MAX)
+            pad = int(width) - seq.shape[1]
+            seq, mask = F.pad(seq, (0, pad), value=PAD), F.pad(mask, (0, pad), value=0)
+            gathered = [torch.empty_like(seq) for _ in range(world)] if self.ctx.rank == 0 else None
+            masks = [torch.empty_like(mask) for _ in range(world)] if self.ctx.rank == 0 else None
+            dist.gather(seq, gathered, dst=0)
+            dist.gather(mask, masks, dst=0)
+        else:
+            gathered, masks = [seq], [mask]
+        both = torch.empty(2, seq.shape[0], device=seq.device)
+        chunks = None
+        if self.ctx.rank == 0:
+            rm_scores = self._score(torch.cat(gathered), torch.cat(masks))
+            clipped = rm_scores.clamp(-ppo.cliprange_reward, ppo.cliprange_reward)
+            self._moments.update(clipped)
+            if ppo.scale_reward == "running":
+                clipped = clipped / self._moments.std
+            elif ppo.scale_reward == "ref":
+                clipped = clipped / self._moments.first_std
+            chunks = [pair.contiguous() for pair in torch.stack([rm_scores, clipped]).split(seq.shape[0], dim=1)]
+        if world > 1:
+            dist.scatter(both, chunks, src=0)
+        else:
+            both = chunks[0]
+        return both[0], both[1]
+
+    def _reference_logits(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if self.ref_model is not None:
+            return self.ref_model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask)).logits
+        return self.model(seq, mask, reference=True)
+
+    @torch.no_grad()
+    def make_experience(self, rollout: Rollout) -> Experience:
+        seq, mask, start = rollout.sequences, rollout.attention_mask, rollout.prompt_len - 1
+        rm_scores, scores = self._scores(seq, mask)
+        values, outputs = self.model(seq, mask)  # logits, hidden states and KV cache: alive on purpose
+        ref_logits = self._reference_logits(seq, mask)
+        log_probs = gather_log_probs(outputs.logits[:, :-1], seq[:, 1:])
+        ref_log_probs = gather_log_probs(ref_logits[:, :-1], seq[:, 1:])
+        self._dtypes.update({"experience/log_probs": str(log_probs.dtype), "experience/values": str(values.dtype),
+                             "experience/reward_score": str(next(self.reward_model.parameters()).dtype)
+                             if self.reward_model is not None else "rank 0"})
+        action_mask = mask[:, 1:].to(log_probs.dtype)
+        log_ratio = (log_probs - ref_log_probs) * action_mask
+        rewards = -self._kl_coef * log_ratio[:, start:]
+        ends = action_mask[:, start:].sum(1).long()
+        rewards[torch.arange(len(ends)), (ends - 1).clamp(min=0)] += scores.to(rewards.dtype)
+        response_mask = action_mask[:, start:]
+        response_values = values[:, :-1][:, start:]
+        # trlx stores each sample's own response span on the host and pads the batch with zeros.
+        payload = {"seq": seq.cpu(), "mask": mask.cpu(), "start": start, "log_probs": log_probs[:, start:].cpu(),
+                   "values": (response_values * response_mask.to(values.dtype)).cpu(),
+                   "rewards": (rewards * response_mask).cpu()}
+        kl = float((log_ratio[:, start:].float().sum(1)).mean())
+        value = float((response_values.float() * response_mask).sum() / response_mask.sum().clamp(min=1))
+        del outputs
+        return Experience(payload=payload, reward=float(rm_scores.mean()), kl=kl, value=value,
+                          tokens=rollout.real_tokens, samples=rollout.samples)
+
+
+class RunningMoments:
+    """trlx's RunningMoments: running mean and std of every score seen (Chan's parallel update)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.mean = 0.0
+        self.var = 1.0
+        self.first_std: float | None = None
+
+    def update(self, x: torch.Tensor) -> None:
+        n, mean, var = x.numel(), float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
+        if self.first_std is None:
+            self.first_std = max(float(x.std()) if n > 1 else 1.0, 1e-8)
+        total = self.count + n
+        delta = mean - self.mean
+        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
+        self.mean += delta * n / total
+        self.var = m2 / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return max((self.var * self.count / max(self.count - 1, 1)) ** 0.5, 1e-8)
