@@ -46,6 +46,9 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("init.rm=/no/such/rm.pt", ["init.rm='/no/such/rm.pt' is not a file"]),
         ("stability.skip_rate_storm=2", ["stability.skip_rate_storm=2", "(0, 1]"]),
         ("framework.fix_fp16_zero0_loss_scale=maybe", ["framework.fix_fp16_zero0_loss_scale='maybe'"]),
+        ("framework.critic_lora_dim=-2", ["framework.critic_lora_dim=-2", "integer >= 0"]),
+        ("framework.actor_dropout=1.5", ["framework.actor_dropout=1.5", "null (keep the model's)", "[0, 1)"]),
+        ("framework.compute_fp32_loss=yes", ["framework.compute_fp32_loss='yes'", "true or false"]),
     ],
 )
 def test_bad_values_are_named_with_the_allowed_ones(override, expected):
@@ -78,6 +81,9 @@ CAI = "framework=colossalai"
         (["framework=trlx", "framework.reference=copy"], ["framework.reference='copy'", "auto, hydra, full, peft"]),
         (["framework=trlx", "framework.num_layers_unfrozen=4"], ["num_layers_unfrozen=4", "between 1 and 3"]),
         (["framework=trlx", "framework.ppo.scale_reward=std"], ["scale_reward='std'", "ignored, running, ref"]),
+        (["framework=trlx", "framework.reward_batch_size=0"], ["framework.reward_batch_size=0", "integer >= 1"]),
+        (["framework=trlx", "framework.reward_device=gpu1"], ["framework.reward_device='gpu1'", "cpu or cuda:N"]),
+        (["framework=trlx", "framework.rm_unfrozen_fraction=0"], ["framework.rm_unfrozen_fraction=0", "(0, 1]"]),
     ],
 )
 def test_framework_choices_are_validated(overrides, expected):
@@ -195,3 +201,32 @@ def test_the_colossalai_precision_mixin_is_found_under_each_of_its_names():
     for name in ("mixed_precision_mixin", "mixed_precision", "mix_precision_mixin"):
         mixin = SimpleNamespace(loss_scale=2.0**10)
         assert precision_mixin(SimpleNamespace(**{name: mixin})) is mixin
+
+
+def test_each_framework_defaults_to_its_upstream_precision():
+    assert spec().precision == "fp16"  # DS-Chat step-3 --dtype
+    assert spec(CAI).precision == "fp16"  # train_ppo.py --mixed_precision
+    assert spec("framework=trlx").precision == "fp32"  # accelerate's mixed_precision "no"
+    assert spec("framework=trlx", "precision=bf16").precision == "bf16"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "knobs"),
+    [
+        ([], []),
+        (["precision=fp32", "framework.optimizer=torch_adamw"], ["precision=fp32", "framework.optimizer=torch_adamw"]),
+        ([CAI], []),
+        ([CAI, "precision=fp32"], ["precision=fp32", "plugin=ddp"]),  # fp32 ddp: neither exists in train_ppo.py
+        ([CAI, "precision=fp32", "stage=sft"], ["precision=fp32"]),  # train_sft.py offers ddp
+        ([CAI, "zero=1", "precision=bf16"], ["plugin=zero1"]),
+        (["framework=trlx", "grad_ckpt=true"], ["grad_ckpt=true"]),
+        (["framework=trlx", "precision=fp32"], []),
+    ],
+)
+def test_cells_only_this_harness_can_run_are_named_with_a_reason(overrides, knobs):
+    from adapters import registry
+
+    s = spec(*overrides)
+    found = registry.options_class(s.framework).harness_extensions(s)
+    assert [e["knob"] for e in found] == knobs
+    assert all(e["reason"] for e in found)

@@ -27,7 +27,7 @@ from adapters.trlx.options import TrlxOptions
 from adapters.trlx.update import Update
 from bench.flops import Attention
 from bench.models import ParamCounts
-from bench.spec import RunSpec
+from bench.spec import RunSpec, UnsupportedError
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
@@ -44,6 +44,7 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         super().__init__(spec, ctx)
         self.options = TrlxOptions.validate(spec)
+        _check_reward_device(self.options.reward_device)
         if ctx.device.type == "cpu":
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         from accelerate import Accelerator
@@ -160,6 +161,16 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         self.model = self.optimizer = self.ref_model = self.reward_model = None
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _check_reward_device(device: str | None) -> None:
+    if device is None or not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    visible = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= visible:
+        raise UnsupportedError(f"framework.reward_device={device} but this machine shows {visible} CUDA device(s); "
+                               "use null (rank 0's training device), cpu, or an existing cuda:N")
 
 
 def _held_bytes(param: torch.nn.Parameter) -> int:

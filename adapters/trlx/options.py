@@ -80,7 +80,8 @@ class TrlxOptions:
             raise SpecError(f"framework.rm_unfrozen_fraction={fraction!r} must be null (train every layer) or a "
                             "number in (0, 1]")
         device = options.reward_device
-        if device is not None and not (isinstance(device, str) and (device == "cpu" or device.startswith("cuda"))):
+        if device is not None and not (isinstance(device, str) and (device == "cpu" or device == "cuda" or (
+                device.startswith("cuda:") and device[5:].isdigit()))):
             raise SpecError(f"framework.reward_device={device!r} is not allowed; choose null (rank 0's training "
                             "device), cpu or cuda:N")
         return options
