@@ -51,6 +51,10 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
 
             (CPUAdamBuilder if spec.offload else FusedAdamBuilder)().load()
 
+    def _upcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        """--compute_fp32_loss: experience logits and the value loss's values in fp32 (both phases use it)."""
+        return tensor.float() if self.options.compute_fp32_loss else tensor
+
     # ----------------------------------------------------------------- state
     def save(self, stage: str, directory: str) -> str:
         role = "reward" if stage == "rm" else "actor"  # step 3 keeps the RLHF-trained actor

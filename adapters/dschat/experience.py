@@ -51,9 +51,6 @@ class ExperienceMaker:
             generated_tokens=int(mask[:, prompt_len:].sum()),
         )
 
-    def _upcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.float() if self.options.compute_fp32_loss else tensor
-
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> Experience:
         seq, mask = rollout.sequences, rollout.attention_mask
