@@ -8,17 +8,26 @@ figures are the max over ranks, rates are global (summed over data-parallel repl
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
 from bench.record import PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 
 RECORD_NAME = "record.json"
-# Config keys that identify a cell in the tables; repeated runs of one cell aggregate to median/spread.
+# Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
                   "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension", "seed")
+# Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
+BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s")
+# A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
+# decision or figure of trained runs takes it as evidence.
+FORCED_FAILURE = "forced-failure"
+# Notes whose first word names a piece of the resolved engine (plugin, optimizer, engine, reference mode).
+ENGINE_NOTES = ("plugin:", "engine:", "optimizer:", "reference:")
 
 
 @dataclass
@@ -33,6 +42,44 @@ class Collection:
     rows: list[dict[str, Any]] = field(default_factory=list)
     records: dict[str, dict[str, Any]] = field(default_factory=dict)  # run directory (relative) -> record
     problems: list[Problem] = field(default_factory=list)
+    cells: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell id -> its flat configuration
+    duplicates: list[tuple[str, str]] = field(default_factory=list)  # (copy skipped, run kept)
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested config -> {"a.b.c": value}; lists become JSON text so values stay hashable."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flatten(value, f"{name}."))
+        else:
+            flat[name] = json.dumps(value) if isinstance(value, list) else value
+    return flat
+
+
+def cell_config(record: dict[str, Any], stage: str) -> dict[str, Any]:
+    """What identifies a cell: the whole resolved configuration of a stage row, the device it ran on, minus
+    the seed and bookkeeping; a checkpoint path counts only as "given" (each run writes its own)."""
+    flat = {k: v for k, v in flatten(record["config"]).items() if k not in BOOKKEEPING_KEYS}
+    for key in ("init.sft", "init.rm"):
+        if flat.get(key) is not None:
+            flat[key] = "given"
+    flat["stage_row"] = stage
+    flat["device"] = (record.get("environment") or {}).get("device")
+    return flat
+
+
+def cell_id(config: dict[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(config, sort_keys=True, default=str).encode()).hexdigest()[:10]
+
+
+def tags_of(config: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(config.get("tags") or ())
+
+
+def is_forced_failure(row: dict[str, Any]) -> bool:
+    return FORCED_FAILURE in (row.get("tags") or "").split(", ")
 
 
 def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +104,36 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "harness_extension": None,  # from the record (the framework's options name the knobs upstream lacks)
         "seed": config.get("seed"),
     }
+
+
+def engine_text(notes: list[str]) -> str | None:
+    """The resolved engine in a few words: the notes naming plugin, engine, optimizer and reference mode,
+    each cut before its explanation."""
+    parts = [n.split(" (")[0].split("(")[0].split(";")[0].strip() for n in notes if n.startswith(ENGINE_NOTES)]
+    return "; ".join(parts) or None
+
+
+def finetune_mode(config: dict[str, Any], result: dict[str, Any]) -> str:
+    """lora, full, or partial: a trained model (one with optimizer state) whose trainable parameters are
+    fewer than its parameters without LoRA (trlx's hydra policy trains only its top blocks)."""
+    if config.get("lora"):
+        return "lora"
+    state, params = result.get("model_state") or {}, result.get("params") or {}
+    for role, entry in state.items():
+        trained = isinstance(entry, dict) and any(entry.get("optimizer_state_bytes_per_rank") or [])
+        counts = params.get(role) or {}
+        if trained and counts.get("total") and counts.get("trainable", 0) < counts["total"]:
+            return "partial"
+    return "full"
+
+
+# Dense bf16/fp16 tensor-core peak of one device (TFLOP/s, SXM parts), for MFU; none for CPUs (no published peak).
+PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "V100": 125.0, "A10": 125.0, "L4": 121.0}
+
+
+def device_peak_tflops(environment: dict[str, Any]) -> float | None:
+    gpu = str(environment.get("gpu") or "")
+    return next((peak for name, peak in PEAK_TFLOPS.items() if name in gpu), None)
 
 
 def update_passes(config: dict[str, Any]) -> int:
@@ -91,6 +168,12 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                            "error": (result.get("error") or {}).get("message"),
                            "finished": bool(record.get("finished_utc"))}
     row["harness_extension"] = "; ".join(e["knob"] for e in record.get("harness_extension") or []) or None
+    row["tags"] = ", ".join(tags_of(record["config"])) or None
+    row["cell"] = cell_id(cell_config(record, stage))
+    row["device"] = (record.get("environment") or {}).get("device")
+    row["finetune"] = finetune_mode(record["config"], result)
+    row["engine"] = engine_text(result.get("notes") or [])
+    row["notes"] = " | ".join(result.get("notes") or []) or None
     if stage != "ppo":  # the reference model exists in PPO only
         row["reference"] = None
     memory = result.get("memory") or {}
@@ -113,6 +196,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     parts = ((work[peak_phase].get("breakdown_bytes_per_rank") or [{}])[0] or {}) if peak_phase else {}
     row["runtime_bytes_rank0"] = parts.get("runtime_bytes")
     row["rest_at_peak_bytes_rank0"] = parts.get("rest_bytes")
+    row["peak_phase"] = peak_phase
+    for phase, entry in work.items():
+        for term, value in phase_breakdown(entry, result.get("model_state") or {}).items():
+            row[f"{term}_{phase}_bytes"] = value
     row["upstream_defects"] = ", ".join(d["id"] + (" (fixed)" if "fixed by" in d.get("handling", "") else "")
                                         for d in result.get("upstream_defects") or []) or None
     row["cut_short"] = bool(result.get("cut_short"))
@@ -150,7 +237,52 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                 if stage == "ppo" and row["step_time_s"] and training is not None else None)
     row["samples_per_s_one_pass"] = row["batch"] * replicas / one_pass if one_pass and row["batch"] else None
     row["wall_time_s"] = _number(result.get("wall_time_s"))
+    step_times = [t for t in throughput.get("step_times_s") or [] if isinstance(t, (int, float))]
+    row["timed_steps"] = len(step_times) or None
+    row["step_time_min_s"] = min(step_times) if step_times else None
+    row["step_time_max_s"] = max(step_times) if step_times else None
+    row["step_time_median_s"] = statistics.median(step_times) if step_times else None
+    # rank 0's TFLOP per step (each phase's rate x its time on rank 0) over the step time of the slowest rank
+    tflop = sum(entry["tflops_per_s_per_rank"][0] * entry["time_s_per_step_per_rank"][0]
+                for phase, entry in (throughput.get("phases") or {}).items()
+                if phase != "evaluation" and entry.get("tflops_per_s_per_rank"))
+    row["tflops_per_s_rank0"] = tflop / row["step_time_s"] if tflop and row["step_time_s"] else None
+    peak = device_peak_tflops(record.get("environment") or {})
+    row["mfu"] = row["tflops_per_s_rank0"] / peak if peak and row["tflops_per_s_rank0"] else None
+    row["trained_params"] = _trained_params(result)
     return row
+
+
+def _trained_params(result: dict[str, Any]) -> int | None:
+    """Parameters of the trained models (those with optimizer state): the denominator of model-state bytes."""
+    state, params = result.get("model_state") or {}, result.get("params") or {}
+    trained = [role for role, e in state.items()
+               if isinstance(e, dict) and any(e.get("optimizer_state_bytes_per_rank") or [])]
+    return sum((params.get(role) or {}).get("total", 0) for role in trained) or None
+
+
+BREAKDOWN_TERMS = ("baseline", "params", "optimizer", "reward_fn", "rest")
+
+
+def phase_breakdown(entry: dict[str, Any], model_state: dict[str, Any]) -> dict[str, float]:
+    """One phase's peak, on the rank with the highest peak, split into baseline (process start + runtime),
+    parameters, optimizer state (the model state split by the engines' own param/optimizer byte counts),
+    the trlx reward function, and the rest (activations, gradients, caches, logits, buckets, slack)."""
+    peaks = entry.get("peak_bytes_per_rank") or []
+    if not any(p is not None for p in peaks):
+        return {}
+    rank = max(range(len(peaks)), key=lambda i: peaks[i] or 0)
+    parts = (entry.get("breakdown_bytes_per_rank") or [{}] * (rank + 1))[rank] or {}
+    if parts.get("process_start_bytes") is None:
+        return {}
+    state = parts.get("model_state_bytes") or 0
+    roles = [r for n, r in model_state.items() if isinstance(r, dict) and n != "reward_fn"]
+    params = sum(((r.get("param_bytes_per_rank") or [])[rank:rank + 1] or [0])[0] or 0 for r in roles)
+    optim = sum(((r.get("optimizer_state_bytes_per_rank") or [])[rank:rank + 1] or [0])[0] or 0 for r in roles)
+    share = params / (params + optim) if params + optim else 1.0
+    return {"baseline": parts["process_start_bytes"] + (parts.get("runtime_bytes") or 0),
+            "params": state * share, "optimizer": state * (1 - share),
+            "reward_fn": parts.get("reward_fn_bytes") or 0, "rest": parts.get("rest_bytes") or 0}
 
 
 def _model_state_rank0(state: dict[str, Any]) -> int | None:
@@ -176,11 +308,11 @@ def _check(record: Any) -> str | None:
 
 
 def collect(root: str) -> Collection:
-    """Every record.json under `root` (a sweep, a runs directory, or several)."""
+    """Every record.json under `root` (a sweep, a runs directory, or several). A run found twice (a sweep and
+    its curated copy: same run id, same creation time) counts once, at its first path."""
     collection = Collection(root=root)
+    seen: dict[tuple[str, str], str] = {}
     for path in sorted(glob.glob(os.path.join(root, "**", RECORD_NAME), recursive=True)):
-        if f"{os.sep}report{os.sep}" in path:
-            continue
         run = os.path.relpath(os.path.dirname(path), root)
         try:
             with open(path) as f:
@@ -192,9 +324,15 @@ def collect(root: str) -> Collection:
         if reason is not None:
             collection.problems.append(Problem(path, reason))
             continue
+        identity = (str(record.get("run_id")), str(record.get("created_utc")))
+        if identity in seen:
+            collection.duplicates.append((run, seen[identity]))
+            continue
+        seen[identity] = run
         collection.records[run] = record
         for stage, result in record["stages"].items():
             collection.rows.append(stage_row(run, record, stage, result))
+            collection.cells.setdefault(collection.rows[-1]["cell"], cell_config(record, stage))
     return collection
 
 

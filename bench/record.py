@@ -302,7 +302,24 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "flops_formula": FORMULA,
         "phases": phases,
         "share_of_step_time": {p: phases[p]["time_s_per_step"] / total for p in step_phases} if total else {},
+        "step_times_s": _step_times(ranks, warmup),
+        "step_times_definition": ("per measured step: the slowest rank's time summed over the step's phases "
+                                  "(setup and the RM's evaluation excluded)"),
     }
+
+
+def _step_times(ranks: list[dict[str, Any]], warmup: int) -> list[float]:
+    """Each measured step's time (max over ranks of the summed phase times): the spread within one run."""
+    per_rank: list[dict[int, float]] = []
+    for r in ranks:
+        steps: dict[int, float] = {}
+        for s in r.get("phase_samples", []):
+            if s["phase"] in (*SETUP_PHASES, "evaluation") or s.get("step") is None or s["step"] < warmup:
+                continue
+            steps[s["step"]] = steps.get(s["step"], 0.0) + s["time_s"]
+        per_rank.append(steps)
+    common = sorted(set.intersection(*(set(steps) for steps in per_rank))) if per_rank else []
+    return [max(steps[step] for steps in per_rank) for step in common]
 
 
 def _stability(ranks: list[dict[str, Any]]) -> dict[str, Any]:

@@ -18,6 +18,9 @@ STAGES = ("sft", "rm", "ppo")
 STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "pipeline": ("sft", "rm", "ppo")}
 WANDB_MODES = ("off", "online", "offline")
 DEVICES = ("auto", "cpu", "cuda")
+# Run tags the report acts on. forced-failure: the run is meant to fail (a forced divergence); it shows in
+# the stability table and is never evidence for a claim, a decision or a figure of trained runs.
+TAGS = ("forced-failure",)
 # Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
 MIN_VOCAB = 64
 
@@ -158,6 +161,7 @@ class RunSpec:
     tp: int = 1
     pp: int = 1
     wandb: str = "off"
+    tags: tuple[str, ...] = ()
     init: InitSpec = field(default_factory=InitSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -175,6 +179,10 @@ class RunSpec:
         _bool("grad_ckpt", self.grad_ckpt)
         _bool("offload", self.offload)
         _choice("wandb", self.wandb, WANDB_MODES)
+        if not isinstance(self.tags, (list, tuple)):
+            raise SpecError(f"tags={self.tags!r} must be a list, e.g. tags=[forced-failure]")
+        for tag in self.tags:
+            _choice("tags", tag, TAGS)
         if not isinstance(self.plugin, str) or not self.plugin:
             raise SpecError(f"plugin={self.plugin!r} must be a name (auto = chosen from zero, precision, offload)")
         _int("tp", self.tp, 1)
@@ -231,6 +239,7 @@ class RunSpec:
         data["init"] = InitSpec(**data.get("init") or {})
         data["launcher"] = LauncherSpec(**data.get("launcher") or {})
         data["stability"] = StabilitySpec(**data.get("stability") or {})
+        data["tags"] = tuple(data.get("tags") or ())
         return cls(**data)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -271,6 +280,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         tp=cfg["tp"],
         pp=cfg["pp"],
         wandb=cfg.get("wandb", "off"),
+        tags=tuple(cfg.get("tags") or ()),
         init=InitSpec(**dict(cfg.get("init") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),

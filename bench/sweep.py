@@ -13,24 +13,15 @@ import json
 import os
 from typing import Any
 
+from bench.collect import BOOKKEEPING_KEYS, flatten
+
 # Keys that do not change what a run measures: two configs that differ only here are the same cell.
-NOT_MEASURED = ("run_name", "output_root", "force", "sweep_name", "launcher.timeout_s", "wandb")
-
-
-def _flat(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    flat: dict[str, Any] = {}
-    for key, value in config.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            flat.update(_flat(value, f"{name}."))
-        else:
-            flat[name] = value
-    return flat
+NOT_MEASURED = tuple(k for k in BOOKKEEPING_KEYS if k != "seed")
 
 
 def cell_key(config: dict[str, Any], without: tuple[str, ...] = ()) -> str:
     """A canonical string of everything a run measures, less `without`."""
-    flat = {k: v for k, v in _flat(config).items() if k not in NOT_MEASURED + without}
+    flat = {k: v for k, v in flatten(config).items() if k not in NOT_MEASURED + without}
     return json.dumps(flat, sort_keys=True, default=str)
 
 

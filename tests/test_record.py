@@ -76,6 +76,8 @@ def test_stage_merge_takes_max_over_ranks_excludes_warmup_and_breaks_peaks_down(
     # 2 replicas x 2 steps x 100 tokens over the slowest rank's 8 s
     assert speed["tokens_per_s_global"] == pytest.approx(50.0)
     assert record.throughput["phases"]["imports"]["time_s"] == 3.0
+    # per measured step, the slowest rank: steps 1 and 2 took 2 s on rank 0 and 4 s on rank 1
+    assert record.throughput["step_times_s"] == [4.0, 4.0]
     assert record.stability["classification"] == "recovered" and record.stability["aggregate"] == "worst rank"
     assert record.learning["loss_curve"] == pytest.approx([3.0, 2.25, 1.25])
 
@@ -205,6 +207,16 @@ def test_live_tensors_come_from_the_lowest_rank_that_reached_each_point():
     assert live["reward_call"] == {"rank": 1, "groups": groups}
     assert live["reference_call"] == {"rank": 0, "groups": groups}
     assert "gc census" in live["method"]
+
+
+def test_step_times_sum_a_steps_phases_and_take_the_slowest_rank():
+    ranks = [_rank(r, {"imports": [330 * MIB], "init": [350 * MIB], "training": [400 * MIB] * 3}, times=times,
+                   losses=[1.0] * 3) for r, times in enumerate(([5.0, 1.0, 3.0], [5.0, 2.0, 1.0]))]
+    for rank, generation in zip(ranks, ([0.5, 0.5, 0.5], [0.1, 0.1, 0.1]), strict=True):
+        rank["phase_samples"] += [{"phase": "generation", "step": i, "time_s": t, "peak_bytes": 400 * MIB,
+                                   "tokens": 10, "samples": 2} for i, t in enumerate(generation)]
+    # step 1: rank 0 1.0 + 0.5 = 1.5, rank 1 2.0 + 0.1 = 2.1 -> 2.1; step 2: 3.5 vs 1.1 -> 3.5 (step 0 warm-up)
+    assert stage_record("ppo", ranks, warmup=1, wall_time_s=1.0).throughput["step_times_s"] == pytest.approx([2.1, 3.5])
 
 
 def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes():

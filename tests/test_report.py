@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -68,8 +69,9 @@ def test_report_tables_contain_every_run_with_its_status(report_dir):
 
     markdown = (report_dir / "report.md").read_text()
     for framework in ("dschat", "colossalai", "trlx"):
-        assert f"| {cell(framework, 1)} | sft | ok | stable |" in markdown
-        assert f"| {cell(framework, 2)} | sft | error | - | tp=2 x pp=1 must divide launcher.nproc=1" in markdown
+        assert re.search(rf"\| {re.escape(cell(framework, 1))} \| sft \| \w{{10}} \| ok \| stable \|", markdown)
+        assert re.search(rf"\| {re.escape(cell(framework, 2))} \| sft \| \w{{10}} \| error \| - \| - \| - \| "
+                         r"tp=2 x pp=1 must divide launcher.nproc=1", markdown)
     table = pd.read_parquet(report_dir / "table.parquet")
     assert len(table) == CELLS and sorted(table["status"]) == ["error"] * 3 + ["ok"] * 3
     ok = table[table["status"] == "ok"]
@@ -131,27 +133,34 @@ def test_html_report_renders_in_headless_chromium(report_dir):
         browser.close()
     assert not errors, errors
     assert widths and all(w > 0 for w in widths), widths  # every inlined figure decoded
-    assert tables == 5
+    assert tables == 6  # memory, throughput, stability, runs, differences, claims
     assert shot.stat().st_size > 20_000
 
 
-def _row(framework: str, speed: float, status: str = "ok", stability: str = "stable", peak: float = 1e9) -> dict:
+def _row(framework: str, speed: float, status: str = "ok", stability: str = "stable", peak: float = 1e9,
+         seed: int = 0, **extra) -> dict:
     return {"framework": framework, "stage": "ppo", "model": "tiny", "precision": "bf16", "zero": 2, "lora": 0,
             "batch": 4, "nproc": 1, "tp": 1, "pp": 1, "plugin": "auto", "offload": False, "grad_ckpt": False,
             "reference": None, "status": status, "stability": stability, "samples_per_s_step": speed,
-            "peak_bytes": peak}
+            "peak_bytes": peak, "cell": f"{framework}-{status}-{stability}-{peak}-{sorted(extra)}", "seed": seed,
+            **extra}
+
+
+def _repeats(framework: str, speed: float, **kwargs) -> list[dict]:
+    """Three repeats of one cell, 1 % apart."""
+    return [_row(framework, speed * f, seed=i, **kwargs) for i, f in enumerate((0.99, 1.0, 1.01))]
 
 
 def test_decision_leaf_decides_only_what_the_data_supports():
     frameworks = ["colossalai", "dschat", "trlx"]
     assert not leaf([], None, frameworks).decided
-    close = leaf([_row("dschat", 10.0), _row("trlx", 10.5)], None, frameworks)
+    close = leaf(_repeats("dschat", 10.0) + _repeats("trlx", 10.5), None, frameworks)
     assert not close.decided and close.verdict.startswith("too close to call")
-    clear = leaf([_row("dschat", 10.0), _row("trlx", 20.0), _row("colossalai", 30.0, stability="diverged")], None,
-                 frameworks)
+    clear = leaf(_repeats("dschat", 10.0) + _repeats("trlx", 20.0) + _repeats("colossalai", 30.0, stability="diverged"),
+                 None, frameworks)
     assert clear.decided and clear.verdict.startswith("trlx")
     assert any("colossalai: ruled out -- every finished run was numerically unstable" in e for e in clear.evidence)
-    budget = leaf([_row("dschat", 10.0, peak=1e9), _row("trlx", 20.0, peak=3e9)], 2e9, frameworks)
+    budget = leaf(_repeats("dschat", 10.0, peak=1e9) + _repeats("trlx", 20.0, peak=3e9), 2e9, frameworks)
     assert isinstance(budget, Leaf) and budget.verdict.startswith("dschat")
     assert any("trlx: ruled out -- over the budget" in e for e in budget.evidence)
 
@@ -159,19 +168,20 @@ def test_decision_leaf_decides_only_what_the_data_supports():
 def test_decision_tree_leaves_out_harness_extension_cells_unless_asked():
     from bench.report.decision import build, questions
 
-    extension = dict(_row("trlx", 50.0), harness_extension="grad_ckpt=true")
-    rows = [_row("dschat", 10.0), _row("colossalai", 20.0), extension]
+    rows = _repeats("dschat", 10.0) + _repeats("colossalai", 20.0) + _repeats("trlx", 50.0,
+                                                                                harness_extension="grad_ckpt=true")
     tree = build(rows)
-    assert "1 harness-extension run(s) left out" in tree.question
-    bf16_full = dict(questions(tree))[("tiny", "bf16", "full fine-tuning")]
+    assert "3 harness-extension run(s) left out" in tree.question
+    path = ("tiny", "1", "bf16", "full fine-tuning")
+    bf16_full = dict(questions(tree))[path]
     assert bf16_full.verdict.startswith("colossalai")
     assert any(e.startswith("not measured in this branch: trlx") for e in bf16_full.evidence)
-    counted = dict(questions(build(rows, include_extensions=True)))[("tiny", "bf16", "full fine-tuning")]
+    counted = dict(questions(build(rows, include_extensions=True)))[path]
     assert counted.verdict.startswith("trlx")
 
 
 def test_decision_tree_compares_ppo_at_one_update_pass():
     # trlx's 4 epochs make its step slower; at one pass per rollout it is the faster one
-    rows = [dict(_row("dschat", 10.0), samples_per_s_one_pass=10.0),
-            dict(_row("trlx", 5.0), samples_per_s_one_pass=15.0)]
+    rows = ([dict(r, samples_per_s_one_pass=r["samples_per_s_step"]) for r in _repeats("dschat", 10.0)]
+            + [dict(r, samples_per_s_one_pass=3 * r["samples_per_s_step"]) for r in _repeats("trlx", 5.0)])
     assert leaf(rows, None, ["dschat", "trlx"]).verdict.startswith("trlx")

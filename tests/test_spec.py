@@ -29,6 +29,7 @@ def test_default_spec_is_dschat_ppo_on_tiny():
     ("override", "expected"),
     [
         ("zero=5", ["zero=5", "0, 1, 2, 3"]),
+        ("tags=[forced_failure]", ["tags='forced_failure'", "forced-failure"]),
         ("precision=fp8", ["precision='fp8'", "fp32, bf16, fp16"]),
         ("lora=-1", ["lora=-1", ">= 0"]),
         ("batch=0", ["batch=0", ">= 1"]),

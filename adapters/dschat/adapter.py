@@ -38,7 +38,10 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         self.ds = deepspeed
         self.options = DSChatOptions.validate(spec)
         self.engines: dict[str, Any] = {}
-        self._notes: list[str] = []
+        offload = (" with optimizer offload" + (" and parameter offload" if spec.zero == 3 else "")
+                   if spec.offload else "")
+        self._notes: list[str] = [f"engine: DeepSpeed ZeRO-{spec.zero} {spec.precision}{offload} "
+                                  "(DS-Chat's ds_config)"]
         self._dtypes: dict[str, str] = {}
         self._unscaled: dict[str, fp16_zero0.ClipWatch] = {}  # roles hit by the fp16 ZeRO-0 defect
         deepspeed.init_distributed()

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from bench.collect import collect
 from bench.record import utc_now
-from bench.report import claims, decision, plots, render, tables
+from bench.report import claims, decision, differences, plots, render, tables
 
 GIB = 1024.0**3
 
@@ -48,10 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = args.budget_gib * GIB if args.budget_gib else None
     report = render.Report(
         collection=collection,
-        tables=tables.all_tables(collection.rows),
-        plots=plots.all_plots(collection.rows, collection.records, os.path.join(out, "plots")),
+        tables=tables.all_tables(collection.rows, collection.cells)
+        + [differences.differences_table(collection.rows, collection.cells)],
+        plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots")),
         tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),
-        claims=claims.check_all(collection.rows, collection.records),
+        claims=claims.check_all(collection.rows, collection.records, collection.cells),
+        caveat=claims.caveat(collection.rows, collection.records),
         generated_utc=utc_now(),
     )
     written = render.write_flat(collection.rows, out)
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         written.append(path)
     console.print(f"report of {len(collection.records)} runs ({len(collection.rows)} stage rows, "
                   f"{len(collection.problems)} skipped files):")
-    for path in written + report.plots:
+    for path in written + [f.path for f in report.plots]:
         console.print(f"  {path}")
     return 0
 

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import combinations
 from typing import Any
 
-from bench.report.aggregate import stat
+from bench.collect import FORCED_FAILURE, is_forced_failure, tags_of
+from bench.report.aggregate import Stat, stat
+from bench.report.pairs import describe, matched_sets, tied
 
 MIB = 1024.0 * 1024.0
 SUPPORTED, CONTRADICTED, PARTLY = "supported", "contradicted", "partly supported"
@@ -30,6 +33,8 @@ class Verdict:
 
 Rows = list[dict[str, Any]]
 Records = dict[str, dict[str, Any]]
+Cells = dict[str, dict[str, Any]]
+TIE = "not supported (tie)"
 
 
 def _scale_note(rows: Rows) -> str:
@@ -38,37 +43,63 @@ def _scale_note(rows: Rows) -> str:
         "RSS" in (r.get("memory_method") or "") for r in rows) else f" (model {', '.join(models)})"
 
 
-def _peak_by_framework(rows: Rows, stage: str, **match: Any) -> dict[str, Any]:
-    chosen = [r for r in rows if r["stage"] == stage and r["status"] == "ok"
-              and all(r.get(k) == v for k, v in match.items())]
-    return {f: stat([r["growth_bytes"] for r in chosen if r["framework"] == f]) for f in sorted(
-        {r["framework"] for r in chosen})}
+def _combine(outcomes: list[str]) -> str:
+    """One verdict from the matched sets' own: all agree -> theirs; ties only -> tie; else partly."""
+    decided = [o for o in outcomes if o != TIE]
+    if not decided:
+        return TIE
+    if all(o == SUPPORTED for o in decided) and len(decided) == len(outcomes):
+        return SUPPORTED
+    if all(o == CONTRADICTED for o in decided):
+        return CONTRADICTED
+    return PARTLY
 
 
-def memory_order(stage: str) -> Callable[[Rows, Records], tuple[str, str]]:
-    def check(rows: Rows, records: Records) -> tuple[str, str]:
-        # the articles' setting: ZeRO-2, batch 4; full fine-tuning where the sweep has it
-        chosen = [r for r in rows if r["zero"] == 2]
-        for key, value in (("batch", 4), ("lora", 0)):
-            if any(r[key] == value and r["stage"] == stage and r["status"] == "ok" for r in chosen):
-                chosen = [r for r in chosen if r[key] == value]
-        peaks = _peak_by_framework(chosen, stage)
-        if len(peaks) < 2:
-            return NOT_MEASURED, f"needs ok {stage} runs at zero=2 from two or more frameworks; has {sorted(peaks)}"
-        measured = sorted(peaks, key=lambda f: peaks[f].median, reverse=True)
-        claimed = [f for f in CLAIMED_MEMORY_ORDER if f in peaks]
-        figures = ", ".join(f"{f} {peaks[f].fmt(MIB, 0)} MiB" for f in measured)
-        batches = sorted({r["batch"] for r in chosen if r["stage"] == stage})
-        loras = sorted({r["lora"] for r in chosen if r["stage"] == stage})
-        verdict = SUPPORTED if measured == claimed else CONTRADICTED
-        return verdict, (f"median memory growth over the post-import baseline at zero=2, batch {batches}, "
-                         f"lora {loras}, most to least: {figures}; claimed order {' > '.join(claimed)}"
-                         + _scale_note(rows))
+def _strict_order(stats: dict[str, Stat]) -> list[list[str]]:
+    """Frameworks from most to least, adjacent ones whose intervals touch joined in one tied group."""
+    ordered = sorted(stats, key=lambda f: stats[f].median, reverse=True)
+    groups: list[list[str]] = []
+    for framework in ordered:
+        if groups and tied(stats[groups[-1][-1]], stats[framework]):
+            groups[-1].append(framework)
+        else:
+            groups.append([framework])
+    return groups
+
+
+def memory_order(stage: str) -> Callable[[Rows, Records, Cells], tuple[str, str]]:
+    def check(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+        sets = matched_sets(rows, cells, "framework", stage)
+        if not sets:
+            return NOT_MEASURED, f"needs ok {stage} runs of two or more frameworks at one configuration"
+        outcomes, parts = [], []
+        for matched in sets:
+            stats = matched.stats("growth_bytes")
+            groups = _strict_order(stats)
+            claimed = [f for f in CLAIMED_MEMORY_ORDER if f in stats]
+            measured = [f for g in groups for f in g]
+            if measured == claimed and all(len(g) == 1 for g in groups):
+                outcomes.append(SUPPORTED)
+            elif all(claimed.index(a) < claimed.index(b) or _same_group(groups, a, b)
+                     for a, b in combinations(measured, 2)):
+                outcomes.append(TIE)  # no pair reversed, but some within noise
+            else:
+                outcomes.append(CONTRADICTED)
+            order = " > ".join("=".join(g) for g in groups)
+            parts.append(f"{describe(matched, 'growth_bytes', MIB, ' MiB', 0)} -> {order} ({outcomes[-1]})")
+        return _combine(outcomes), (f"memory growth over the post-import baseline (max over ranks and phases), "
+                                    f"matched sets: {'; '.join(parts)}; claimed order "
+                                    f"{' > '.join(CLAIMED_MEMORY_ORDER)}; '=' joins intervals that overlap"
+                                    + _scale_note(rows))
     return check
 
 
-def lora_support(rows: Rows, records: Records) -> tuple[str, str]:
-    lora = [r for r in rows if r["lora"]]
+def _same_group(groups: list[list[str]], a: str, b: str) -> bool:
+    return any(a in g and b in g for g in groups)
+
+
+def lora_support(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    lora = [r for r in rows if r["lora"] and not is_forced_failure(r)]
     if not lora:
         return NOT_MEASURED, "no LoRA runs"
     parts, complete = [], []
@@ -83,100 +114,96 @@ def lora_support(rows: Rows, records: Records) -> tuple[str, str]:
     return PARTLY if any(complete) else NOT_MEASURED, "; ".join(parts)
 
 
-def precision_stability(rows: Rows, records: Records) -> tuple[str, str]:
-    """Each part compares frameworks at one precision: 'risky' means less stable than the others there."""
-    share: dict[tuple[str, str], tuple[int, int]] = {}
-    for row in rows:
-        if row.get("stability"):
-            bad, total = share.get((row["framework"], row["precision"]), (0, 0))
-            share[(row["framework"], row["precision"])] = (bad + (row["stability"] not in ("stable", "recovered")),
-                                                           total + 1)
+def _unstable_share(runs: Rows) -> float:
+    judged = [r for r in runs if r.get("stability")]
+    return sum(r["stability"] not in ("stable", "recovered") for r in judged) / len(judged) if judged else 0.0
 
-    def rate(framework: str, precision: str) -> float:
-        bad, total = share[(framework, precision)]
-        return bad / total
 
-    def others(framework: str, precision: str) -> list[str]:
-        return [f for f, p in share if p == precision and f != framework]
-
-    checks: list[tuple[bool | None, str]] = []
-    if ("dschat", "fp16") in share and others("dschat", "fp16"):
-        worst_other = max(rate(f, "fp16") for f in others("dschat", "fp16"))
-        checks.append((rate("dschat", "fp16") > worst_other, f"fp16 unstable share: dschat "
-                       f"{rate('dschat', 'fp16'):.0%} vs others up to {worst_other:.0%} (claim: dschat riskier)"))
-    else:
-        checks.append((None, "dschat fp16 against another framework's fp16: not measured"))
-    if ("colossalai", "bf16") in share:
-        colossalai_bf16 = rate("colossalai", "bf16")
-        checks.append((colossalai_bf16 == 0, f"colossalai bf16 unstable share {colossalai_bf16:.0%} (claim: stable)"))
-    else:
-        checks.append((None, "colossalai bf16: not measured"))
-    if ("trlx", "bf16") in share and others("trlx", "bf16"):
-        best_other = min(rate(f, "bf16") for f in others("trlx", "bf16"))
-        checks.append((rate("trlx", "bf16") <= best_other, f"bf16 unstable share: trlx {rate('trlx', 'bf16'):.0%} "
-                       f"vs others from {best_other:.0%} (claim: trlx best)"))
-    else:
-        checks.append((None, "trlx bf16 against another framework's bf16: not measured"))
-    measured = [h for h, _ in checks if h is not None]
+def precision_stability(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    """Each part compares frameworks in matched sets at one precision (forced failures never count): 'risky'
+    means a larger unstable share than every other framework there, 'best' a strictly smaller one (a tie is
+    not best), 'stable' no unstable run."""
+    judged = [r for r in rows if not is_forced_failure(r) and r.get("stability")]
+    sets = [m for m in matched_sets([dict(r, status="ok") for r in judged], cells, "framework")]
+    checks: list[tuple[str | None, str]] = []
+    for framework, precision, wants in (("dschat", "fp16", "riskier"), ("colossalai", "bf16", "stable"),
+                                        ("trlx", "bf16", "best")):
+        results = []
+        for matched in sets:
+            if framework not in matched.by_value or matched.by_value[framework][0]["precision"] != precision:
+                continue
+            mine = _unstable_share(matched.by_value[framework])
+            others = [_unstable_share(v) for f, v in matched.by_value.items() if f != framework]
+            if wants == "riskier":
+                outcome = SUPPORTED if mine > max(others) else TIE if mine == max(others) else CONTRADICTED
+            elif wants == "best":
+                outcome = SUPPORTED if mine < min(others) else TIE if mine == min(others) else CONTRADICTED
+            else:
+                outcome = SUPPORTED if mine == 0 else CONTRADICTED
+            results.append(outcome)
+            checks.append((outcome, f"{framework} {precision} ({wants}) [{matched.fixed}]: unstable share "
+                                    f"{mine:.0%} vs others {', '.join(f'{o:.0%}' for o in others)} -> {outcome}"))
+        if not results:
+            checks.append((None, f"{framework} {precision} against another framework at one configuration: "
+                                 "not measured"))
+    measured = [o for o, _ in checks if o is not None]
     text = "; ".join(t for _, t in checks) + _scale_note(rows)
-    if not measured:
-        return NOT_MEASURED, text
-    verdict = SUPPORTED if all(measured) and len(measured) == 3 else CONTRADICTED if not any(measured) else PARTLY
-    return verdict, text
+    return (_combine(measured) if measured else NOT_MEASURED), text
 
 
-def zero3_vs_zero2(rows: Rows, records: Records) -> tuple[str, str]:
-    ratios = []
-    for framework in sorted({r["framework"] for r in rows}):
-        z2 = _peak_by_framework(rows, "ppo", zero=2).get(framework)
-        z3 = _peak_by_framework(rows, "ppo", zero=3).get(framework)
-        if z2 and z3 and z2.median and z3.median:
-            ratios.append((framework, z3.median / z2.median))
-    if not ratios:
-        return NOT_MEASURED, "needs ok PPO runs at zero=2 and zero=3 of one framework"
-    text = "; ".join(f"{f}: ZeRO-3 peak / ZeRO-2 peak = {r:.3f}" for f, r in ratios)
-    if all(r >= 1.10 for _, r in ratios):
-        verdict = SUPPORTED
-    elif all(r <= 1.0 for _, r in ratios):
-        verdict = CONTRADICTED
-    else:  # more memory under ZeRO-3 somewhere, but not by the claimed margin everywhere
-        verdict = PARTLY
-    return verdict, text + " (claim: 1.15-1.20)" + _scale_note(rows)
+def zero3_vs_zero2(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    outcomes, parts = [], []
+    for matched in matched_sets(rows, cells, "zero", "ppo"):
+        stats = matched.stats("peak_bytes")
+        if 2 not in stats or 3 not in stats:
+            continue
+        ratio = stats[3].median / stats[2].median
+        outcome = (TIE if tied(stats[2], stats[3]) else SUPPORTED if ratio >= 1.10
+                   else CONTRADICTED if ratio <= 1.0 else PARTLY)
+        outcomes.append(outcome)
+        parts.append(f"{describe(matched, 'peak_bytes', MIB, ' MiB', 0)}: ZeRO-3 / ZeRO-2 peak = {ratio:.3f} "
+                     f"({outcome})")
+    if not outcomes:
+        return NOT_MEASURED, "needs ok PPO runs at zero=2 and zero=3 of one configuration"
+    return _combine(outcomes), "; ".join(parts) + " (claim: 1.15-1.20)" + _scale_note(rows)
 
 
-def lora_rank_cost(rows: Rows, records: Records) -> tuple[str, str]:
-    pairs = []
-    for stage in ("sft", "rm", "ppo"):
-        for framework in sorted({r["framework"] for r in rows}):
-            full = _peak_by_framework(rows, stage, lora=0).get(framework)
-            high = [r for r in rows if r["framework"] == framework and r["stage"] == stage and r["lora"] >= 64
-                    and r["status"] == "ok"]
-            if full and full.median and high:
-                pairs.append((framework, stage, stat([r["growth_bytes"] for r in high]).median / full.median))
-    if not pairs:
-        return NOT_MEASURED, "needs ok runs at lora >= 64 and lora = 0 of one framework and stage"
-    cancelled = [ratio >= 1.0 for *_, ratio in pairs]
-    verdict = SUPPORTED if all(cancelled) else CONTRADICTED if not any(cancelled) else PARTLY
-    ratios = "; ".join(f"{f} {s}: LoRA>=64 growth / full growth = {r:.3f}" for f, s, r in pairs)
-    return verdict, ratios + _scale_note(rows)
+def lora_rank_cost(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    outcomes, parts = [], []
+    for matched in matched_sets(rows, cells, "lora"):
+        stats = matched.stats("growth_bytes")
+        if 0 not in stats:
+            continue
+        for rank in [r for r in stats if r >= 64]:
+            ratio = stats[rank].median / stats[0].median
+            outcome = TIE if tied(stats[0], stats[rank]) else SUPPORTED if ratio >= 1.0 else CONTRADICTED
+            outcomes.append(outcome)
+            parts.append(f"{describe(matched, 'growth_bytes', MIB, ' MiB', 0)}: LoRA {rank} / full = {ratio:.3f} "
+                         f"({outcome})")
+    if not outcomes:
+        return NOT_MEASURED, "needs ok runs at lora >= 64 and lora = 0 of one configuration"
+    return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
 
 
-def trlx_grad_ckpt(rows: Rows, records: Records) -> tuple[str, str]:
-    ppo = [r for r in rows if r["framework"] == "trlx" and r["stage"] == "ppo" and r["status"] == "ok"]
-    on = stat([r["step_time_s"] for r in ppo if r["grad_ckpt"]])
-    off = stat([r["step_time_s"] for r in ppo if not r["grad_ckpt"]])
-    if not on.n or not off.n:
-        return NOT_MEASURED, "needs ok trlx PPO runs with grad_ckpt=true and false (gradient checkpointing is a " \
-                             "harness extension for trlx)"
-    ratio = on.median / off.median
-    verdict = SUPPORTED if 2.0 <= ratio <= 4.0 else CONTRADICTED
-    return verdict, f"trlx PPO step time with / without gradient checkpointing = {ratio:.2f}x (claim: 3x)"
+def trlx_grad_ckpt(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    outcomes, parts = [], []
+    for matched in matched_sets([r for r in rows if r["framework"] == "trlx"], cells, "grad_ckpt", "ppo"):
+        stats = matched.stats("step_time_s")
+        ratio = stats[True].median / stats[False].median
+        outcome = SUPPORTED if 2.0 <= ratio <= 4.0 else CONTRADICTED
+        outcomes.append(outcome)
+        parts.append(f"{describe(matched, 'step_time_s', 1.0, ' s', 2)}: with / without = {ratio:.2f}x ({outcome})")
+    if not outcomes:
+        return NOT_MEASURED, "needs ok trlx PPO runs with grad_ckpt=true and false at one configuration (gradient " \
+                             "checkpointing is a harness extension for trlx)"
+    return _combine(outcomes), "; ".join(parts) + " (claim: 3x)"
 
 
-def trlx_fp16_nan(rows: Rows, records: Records) -> tuple[str, str]:
-    runs = [r for r in rows if r["framework"] == "trlx" and r["stage"] == "ppo" and r["precision"] == "fp16"]
+def trlx_fp16_nan(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    runs = [r for r in rows if r["framework"] == "trlx" and r["stage"] == "ppo" and r["precision"] == "fp16"
+            and not is_forced_failure(r)]
     if not runs:
-        return NOT_MEASURED, "no trlx fp16 PPO runs"
+        return NOT_MEASURED, "no trlx fp16 PPO runs (forced failures do not count)"
     nan = [r for r in runs if r["status"] == "nan" or r.get("stability") == "diverged"]
     steps = max(len(records[r["run"]]["stages"]["ppo"].get("steps") or []) for r in runs)
     if nan:
@@ -187,10 +214,14 @@ def trlx_fp16_nan(rows: Rows, records: Records) -> tuple[str, str]:
     return CONTRADICTED, f"{len(runs)} trlx fp16 PPO runs of up to {steps} steps stayed finite"
 
 
-def four_models(rows: Rows, records: Records) -> tuple[str, str]:
+def _evidence_records(records: Records) -> Records:
+    return {run: r for run, r in records.items() if FORCED_FAILURE not in tags_of(r["config"])}
+
+
+def four_models(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     roles: dict[str, set[str]] = {}
     trained: dict[str, int] = {}
-    for record in records.values():
+    for record in _evidence_records(records).values():
         ppo = record["stages"].get("ppo") or {}
         state = {k: v for k, v in (ppo.get("model_state") or {}).items() if k != "method"}
         if ppo.get("status") == "ok" and state:
@@ -206,9 +237,9 @@ def four_models(rows: Rows, records: Records) -> tuple[str, str]:
     return verdict, "; ".join(parts)
 
 
-def optimizer_vs_weights(rows: Rows, records: Records) -> tuple[str, str]:
+def optimizer_vs_weights(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     ratios: dict[tuple[str, str], list[float]] = {}
-    for record in records.values():
+    for record in _evidence_records(records).values():
         for stage in record["stages"].values():
             actor = (stage.get("model_state") or {}).get("actor") or {}
             params = (actor.get("trainable_param_bytes_per_rank") or [None])[0]
@@ -226,12 +257,12 @@ def optimizer_vs_weights(rows: Rows, records: Records) -> tuple[str, str]:
         "weights; an engine that trains 16-bit weights adds an fp32 master copy: 6x; autocast keeps fp32 weights: 2x)"
 
 
-def _unmeasurable(reason: str) -> Callable[[Rows, Records], tuple[str, str]]:
-    return lambda rows, records: (NOT_MEASURABLE, reason)
+def _unmeasurable(reason: str) -> Callable[[Rows, Records, Cells], tuple[str, str]]:
+    return lambda rows, records, cells: (NOT_MEASURABLE, reason)
 
 
 GPU_ONLY = "needs the GPU cluster it describes"
-CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records], tuple[str, str]]], ...] = (
+CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]], ...] = (
     ("A1", "SFT peak memory: Trlx > ColossalAI > DeepSpeed-Chat (38.2 / 26.8 / 22.4 GB)", memory_order("sft")),
     ("A2", "RM peak memory: Trlx > ColossalAI > DeepSpeed-Chat (42.7 / 31.4 / 25.1 GB)", memory_order("rm")),
     ("A3", "PPO peak memory: Trlx > ColossalAI > DeepSpeed-Chat (45.3 / 34.2 / 28.9 GB)", memory_order("ppo")),
@@ -280,5 +311,35 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records], tuple[str, str]]], ...] 
 )
 
 
-def check_all(rows: Rows, records: Records) -> list[Verdict]:
-    return [Verdict(claim_id, claim, *check(rows, records)) for claim_id, claim, check in CLAIMS]
+def check_all(rows: Rows, records: Records, cells: Cells) -> list[Verdict]:
+    return [Verdict(claim_id, claim, *check(rows, records, cells)) for claim_id, claim, check in CLAIMS]
+
+
+def caveat(rows: Rows, records: Records) -> str:
+    """At what scale, on what machine, with how many repeats the verdicts were reached."""
+    evidence = [r for r in rows if r["status"] == "ok" and not is_forced_failure(r)]
+    if not evidence:
+        return "No finished run that is evidence: every verdict above is 'not measured' or 'not measurable'."
+    sizes = {}
+    for r in evidence:
+        params = ((records[r["run"]]["stages"][r["stage"]].get("params") or {}).get("actor") or {}).get("total")
+        if params:  # the plain model is the smallest actor (no LoRA factors, value head or hydra branch)
+            sizes[r["model"]] = min(params, sizes.get(r["model"], params))
+    models = ", ".join(f"{m} ({sizes[m] / 1e6:,.1f} M parameters)" if m in sizes else m
+                       for m in sorted({r["model"] for r in evidence}))
+    env = next(iter(records.values())).get("environment") or {}
+    machine = f"{env.get('gpu') or env.get('cpu')} x{env.get('cpu_count')} cores, device {env.get('device')}"
+    repeats: dict[str, int] = {}
+    for r in evidence:
+        repeats[r["cell"]] = repeats.get(r["cell"], 0) + 1
+    counts = sorted(repeats.values())
+    steps = sorted(r.get("timed_steps") or 0 for r in evidence)
+    ranks = sorted({r["nproc"] for r in evidence})
+    return (f"These verdicts rest on {len(evidence)} finished runs in {len(repeats)} cells at the scale of {models}, "
+            f"on {machine}, {', '.join(map(str, ranks))} rank(s); repeats per cell {counts[0]}-{counts[-1]} "
+            f"(median {counts[len(counts) // 2]}), timed steps per run {steps[0]}-{steps[-1]}. Memory on a CPU is "
+            "host RSS (no caching allocator, no device capacity), time on a CPU says little about GPU kernels, and "
+            "the published claims are about GLM-10B on GPU clusters: a verdict here says how the frameworks' own "
+            "structure behaves at this scale, not what GLM-10B will do. Runs tagged forced-failure are never "
+            "evidence; only cells that differ in exactly the claim's knob are compared; a tie (overlapping "
+            "intervals over repeats) never supports an ordering.")

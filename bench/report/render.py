@@ -11,6 +11,7 @@ from typing import Any
 from bench.collect import Collection
 from bench.report.claims import Verdict
 from bench.report.decision import Leaf, Node, questions
+from bench.report.plots import Figure
 from bench.report.tables import Table
 
 
@@ -18,9 +19,10 @@ from bench.report.tables import Table
 class Report:
     collection: Collection
     tables: list[Table]
-    plots: list[str]
+    plots: list[Figure]
     tree: Node
     claims: list[Verdict]
+    caveat: str
     generated_utc: str
 
 
@@ -34,7 +36,8 @@ def _summary(report: Report) -> list[str]:
     libraries = ", ".join(f"{k} {v}" for k, v in (env.get("libraries") or {}).items())
     lines = [f"Source: `{c.root}`; generated {report.generated_utc}.",
              f"{len(c.records)} runs ({', '.join(f'{s} {n}' for s, n in sorted(statuses.items()))}), "
-             f"{len(c.rows)} stage rows; {len(c.problems)} record files skipped as unreadable."]
+             f"{len(c.rows)} stage rows in {len(c.cells)} cells; {len(c.problems)} record files skipped as "
+             f"unreadable; {len(c.duplicates)} copies of a run already collected counted once."]
     if env:
         lines.append(f"Machine of the first run: {env.get('cpu')} x{env.get('cpu_count')}, GPU {env.get('gpu')}, "
                      f"device {env.get('device')}; {libraries}.")
@@ -70,8 +73,9 @@ def _md_tree(node: Node, depth: int = 0) -> list[str]:
 def _plain_questions(node: Node) -> list[str]:
     out = []
     for answers, found in questions(node):
-        model, precision, lora = answers
-        out.append(f"- With model {model}, {precision} and {lora}, which framework? {found.verdict}.")
+        model, ranks, precision, tuning = answers
+        out.append(f"- With model {model} on {ranks} GPU(s), {precision} and {tuning}, which framework? "
+                   f"{found.verdict}.")
     return out
 
 
@@ -84,11 +88,14 @@ def markdown(report: Report) -> str:
     for table in report.tables:
         lines += _md_table(table)
     lines += ["## Figures", ""]
-    lines += [f"![{os.path.basename(p)}](plots/{os.path.basename(p)})" for p in report.plots] + [""]
+    for n, figure in enumerate(report.plots, 1):
+        lines += [f"![{os.path.basename(figure.path)}](plots/{os.path.basename(figure.path)})", "",
+                  f"*Figure {n}.* {figure.caption}", ""]
     lines += ["## Decision tree", "", "Built from the measured rows; a leaf that the data cannot decide says so.", ""]
     lines += _md_tree(report.tree) + ["", "As plain questions:", ""] + _plain_questions(report.tree) + [""]
     lines += ["## Claims check", "", "| claim | statement | verdict | evidence |", "|---|---|---|---|"]
     lines += [f"| {v.claim_id} | {_md_cell(v.claim)} | {v.verdict} | {_md_cell(v.evidence)} |" for v in report.claims]
+    lines += ["", f"**Caveat.** {report.caveat}"]
     return "\n".join(lines) + "\n"
 
 
@@ -107,7 +114,8 @@ ul.tree,ul.tree ul{list-style:none;padding-left:1.2rem;border-left:1px dashed #b
 .verdict-supported{color:#137333}.verdict-contradicted{color:#b3261e}
 """
 TEXT_COLUMNS = {"run", "stage", "status", "stability", "error", "framework", "precision", "plugin", "reference",
-                "classification", "statement", "verdict", "evidence", "claim"}
+                "classification", "statement", "verdict", "evidence", "claim", "other config", "engine", "notes",
+                "tags", "configuration", "pair", "largest difference", "term", "finetune", "model", "cell"}
 
 
 def _value_class(column: str, cell: str) -> str:
@@ -144,10 +152,11 @@ def _html_tree(node: Node) -> str:
     return f"<ul class='tree'><li><b>{html.escape(node.question)}</b><ul>{''.join(items)}</ul></li></ul>"
 
 
-def _inline_png(path: str) -> str:
+def _inline_png(path: str, caption: str) -> str:
     with open(path, "rb") as f:
         data = base64.b64encode(f.read()).decode()
-    return f"<figure><img alt='{html.escape(os.path.basename(path))}' src='data:image/png;base64,{data}'></figure>"
+    return (f"<figure><img alt='{html.escape(os.path.basename(path))}' src='data:image/png;base64,{data}'>"
+            f"<figcaption class='caption'>{html.escape(caption)}</figcaption></figure>")
 
 
 def html_page(report: Report) -> str:
@@ -166,7 +175,7 @@ def html_page(report: Report) -> str:
     parts.append("<h2>Tables</h2>")
     parts += [_html_table(t) for t in report.tables]
     parts.append("<h2 id='figures'>Figures</h2>")
-    parts += [_inline_png(p) for p in report.plots]
+    parts += [_inline_png(f.path, f"Figure {n}. {f.caption}") for n, f in enumerate(report.plots, 1)]
     parts.append("<h2 id='decision'>Decision tree</h2><p class='caption'>Built from the measured rows; a leaf that "
                  "the data cannot decide says so.</p>")
     parts.append(_html_tree(report.tree))
@@ -178,6 +187,7 @@ def html_page(report: Report) -> str:
                                                                                 "evidence"],
                    [[v.claim_id, v.claim, v.verdict, v.evidence] for v in report.claims])
     parts.append(_html_table(claims))
+    parts.append(f"<p class='caption'><b>Caveat.</b> {html.escape(report.caveat)}</p>")
     parts.append("</body></html>")
     return "\n".join(parts)
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import phases_in
-from bench.report.aggregate import CELL_COLUMNS, group, stat, status_of
+from bench.collect import is_forced_failure, phases_in
+from bench.report.aggregate import distinguishing_keys, group, other_config, per_gpu, stat, status_of
 
 MIB = 1024.0 * 1024.0
-SHOWN_CONFIG = ("framework", "stage", "precision", "zero", "lora", "batch", "nproc")
-EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension")
+SHOWN_CONFIG = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc")
+EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension",
+                "tags")
+Cells = dict[str, dict[str, Any]]
 
 
 @dataclass
@@ -22,100 +24,132 @@ class Table:
     rows: list[list[str]]
 
 
-def _config_header(rows: list[dict[str, Any]]) -> list[str]:
-    """The config columns worth showing: the main ones always, the others only where they vary."""
-    extra = [c for c in EXTRA_CONFIG if len({str(r.get(c)) for r in rows}) > 1]
-    return list(SHOWN_CONFIG) + extra
+class ConfigColumns:
+    """The config columns of a table: the main ones always, the optional ones where they vary, the fine-tuning
+    mode, and one "other config" column with every cell key that tells apart cells the others show alike."""
 
+    def __init__(self, rows: list[dict[str, Any]], cells: Cells) -> None:
+        self.extra = [c for c in EXTRA_CONFIG if len({str(r.get(c)) for r in rows}) > 1
+                      or (c == "tags" and any(r.get("tags") for r in rows))]
+        self.header = list(SHOWN_CONFIG) + self.extra + ["finetune"]
+        self.cells = cells
+        self.other = distinguishing_keys(rows, cells)
+        if self.other:
+            self.header.append("other config")
 
-def _config_cells(cell: tuple, header: list[str]) -> list[str]:
-    values = dict(zip(CELL_COLUMNS, cell, strict=True))
-    return ["-" if values[c] is None else str(values[c]) for c in header]
+    def values(self, runs: list[dict[str, Any]]) -> list[str]:
+        row = runs[0]
+        shown = ["-" if row.get(c) is None else str(row[c]) for c in self.header if c != "other config"]
+        return shown + ([other_config(row, self.cells, self.other)] if self.other else [])
 
 
 def runs_table(rows: list[dict[str, Any]]) -> Table:
-    header = ["run", "stage", "status", "stability", "error"]
-    body = [[r["run"], r["stage"], r["status"], r.get("stability") or "-",
-             (r.get("error") or "").splitlines()[0][:160] if r.get("error") else ""] for r in rows]
+    header = ["run", "stage", "cell", "status", "stability", "tags", "engine", "error", "notes"]
+    body = [[r["run"], r["stage"], r["cell"], r["status"], r.get("stability") or "-", r.get("tags") or "-",
+             r.get("engine") or "-", (r.get("error") or "").splitlines()[0][:160] if r.get("error") else "",
+             r.get("notes") or ""] for r in rows]
     return Table("runs", "Every run", "One line per run and stage, as recorded; `skipped` stages follow a failed one "
-                 "or were cut by the OOM back-stop.", header, body)
+                 "or were cut by the OOM back-stop. cell: the id of the run's configuration (the whole resolved "
+                 "config minus seed and bookkeeping); runs with one id are repeats. engine: the resolved engine "
+                 "(plugin, optimizer, reference mode) from the run's notes, which follow in full.", header, body)
 
 
-def memory_table(rows: list[dict[str, Any]]) -> Table:
+def memory_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     phases = phases_in(rows, "peak")
-    config = _config_header(rows)
-    header = (config + ["runs", "status", "growth MiB"] + [f"{p} MiB" for p in phases]
-              + ["runtime MiB (rank 0)", "model state MiB (rank 0)", "rest at peak MiB (rank 0)"])
+    config = ConfigColumns(rows, cells)
+    header = (config.header + ["engine", "runs", "status", "peak MiB", "growth MiB", "peak phase"]
+              + [f"{p} MiB" for p in phases]
+              + ["model state MiB (rank 0)", "model state / init growth %", "rest at peak MiB (rank 0)"])
     body = []
-    for cell, runs in group(rows).items():
-        body.append(_config_cells(cell, config) + [str(len(runs)), status_of(runs),
-                                                   stat([r.get("growth_bytes") for r in runs]).fmt(MIB)]
+    for runs in group(rows).values():
+        state = stat([r.get("model_state_bytes_rank0") for r in runs])
+        init = stat([r.get("growth_init_bytes") for r in runs])
+        share = f"{100 * state.median / init.median:.0f}" if state.median and init.median else "-"
+        phase = sorted({r.get("peak_phase") or "-" for r in runs})
+        body.append(config.values(runs) + [runs[0].get("engine") or "-", str(len(runs)), status_of(runs),
+                                           stat([r.get("peak_bytes") for r in runs]).fmt(MIB),
+                                           stat([r.get("growth_bytes") for r in runs]).fmt(MIB), "/".join(phase)]
                     + [stat([r.get(f"peak_{p}_bytes") for r in runs]).fmt(MIB) for p in phases]
-                    + [stat([r.get("runtime_bytes_rank0") for r in runs]).fmt(MIB),
-                       stat([r.get("model_state_bytes_rank0") for r in runs]).fmt(MIB, 2),
-                       stat([r.get("rest_at_peak_bytes_rank0") for r in runs]).fmt(MIB)])
+                    + [state.fmt(MIB, 1), share, stat([r.get("rest_at_peak_bytes_rank0") for r in runs]).fmt(MIB)])
     method = next((r["memory_method"] for r in rows if r.get("memory_method")), "not recorded")
     return Table("memory", "Peak memory per phase",
-                 f"MiB (2^20 bytes), max over ranks; method: {method}. Growth: the largest phase peak minus the "
-                 "rank's post-import baseline (engine libraries, JIT ops and process groups already loaded): "
-                 "what frameworks are compared on. Phase columns: absolute peaks (`imports` is the runtime "
-                 "phase itself). Rank 0's peak splits into process start + runtime (the imports) + model state "
-                 "(parameter and optimizer-state bytes its engines hold) + rest (activations, gradients, caches, "
-                 "buffers, allocator slack). Median over repeated runs, ± half the range, n = runs.", header, body)
+                 f"MiB (2^20 bytes), max over ranks; method: {method}. Peak: the largest phase peak; growth: that "
+                 "minus the rank's post-import baseline (engine libraries, JIT ops and process groups already "
+                 "loaded): what frameworks are compared on, next to the phase that sets it. Phase columns: "
+                 "absolute peaks (`imports` is the runtime phase itself). Model state: parameter and optimizer-state "
+                 "bytes rank 0's engines hold; its share of the init phase's growth says how much of building the "
+                 "models is the models themselves. Rest: activations, gradients, caches, buffers, allocator slack "
+                 "at rank 0's peak. Median over the cell's repeats, ± half the range, n = runs; a cell is the whole "
+                 "resolved configuration minus seed and bookkeeping (other config: the keys that tell apart cells "
+                 "the columns show alike).", header, body)
 
 
-def throughput_table(rows: list[dict[str, Any]]) -> Table:
+def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p not in ("imports", "init")]
-    config = _config_header(rows)
-    header = config + ["ok runs"] + [f"{p} tok/s" for p in phases] + ["step samples/s", "update passes",
-                                                                      "samples/s at one pass", "generation share %"]
+    config = ConfigColumns(rows, cells)
+    header = (config.header + ["ok runs", "timed steps"] + [f"{p} tok/s" for p in phases]
+              + ["step s (min-max over steps)", "step samples/s", "samples/s per GPU", "update passes",
+                 "samples/s at one pass", "TFLOP/s (rank 0)", "MFU %", "generation share %"])
     body = []
-    for cell, runs in group(rows).items():
+    for runs in group(rows).values():
         ok = [r for r in runs if r["status"] == "ok"]
         if not ok:
             continue
-        body.append(_config_cells(cell, config) + [str(len(ok))]
+        lows = [r["step_time_min_s"] for r in ok if r.get("step_time_min_s") is not None]
+        highs = [r["step_time_max_s"] for r in ok if r.get("step_time_max_s") is not None]
+        steps = sum(r.get("timed_steps") or 0 for r in ok)
+        mfu = stat([r.get("mfu") for r in ok])
+        body.append(config.values(ok) + [str(len(ok)), f"{steps} ({len(ok)} runs)"]
                     + [stat([r.get(f"tokens_per_s_{p}") for r in ok]).fmt() for p in phases]
-                    + [stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
+                    + [f"{min(lows):.2f}-{max(highs):.2f}" if lows else "-",
+                       stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
+                       stat([per_gpu(r) for r in ok]).fmt(digits=3),
                        str(ok[0].get("update_passes") or "-"),
                        stat([r.get("samples_per_s_one_pass") for r in ok]).fmt(digits=2),
+                       stat([r.get("tflops_per_s_rank0") for r in ok]).fmt(digits=3),
+                       mfu.fmt(0.01, 1) if mfu.n else "- (device peak unknown)",
                        stat([r.get("share_generation") for r in ok]).fmt(0.01, 0)])
     return Table("throughput", "Throughput",
                  "Tokens/s per phase: real (non-pad) tokens summed over data-parallel replicas / the slowest "
-                 "rank's time, warm-up steps excluded (time.perf_counter around each phase). Step samples/s: "
-                 "samples of one step over all replicas / the summed per-phase step times. Update passes: "
-                 "optimizer passes over each rollout per PPO step (trlx's ppo_epochs is 4, the others' 1); "
-                 "samples/s at one pass: the same step with its training time divided by the passes, so "
-                 "frameworks compare on equal work. Generation share: generation's share of the PPO step time. "
-                 "A harness_extension column names knobs the framework's own scripts cannot run. Median over "
-                 "repeated ok runs.", header, body)
+                 "rank's time, warm-up steps excluded (time.perf_counter around each phase). Timed steps: "
+                 "measured steps summed over the cell's ok runs; step s: the fastest and slowest single step "
+                 "among them (each the slowest rank's summed phase times). Step samples/s: samples of one step "
+                 "over all replicas / the step time (per-phase mean step times summed); per GPU: that (at one "
+                 "update pass for PPO) / ranks. Update passes: optimizer passes over each rollout per PPO step "
+                 "(trlx's ppo_epochs is 4, the others' 1); samples/s at one pass: the same step with its "
+                 "training time divided by the passes, so frameworks compare on equal work. TFLOP/s: rank 0's "
+                 "FLOPs per step (the record's flops_formula, real tokens) / the step time; MFU: that / the "
+                 "device's dense 16-bit peak where it is known (GPUs; none for CPUs). Generation share: its "
+                 "share of the PPO step time. Median over the cell's ok repeats, ± half the range.", header, body)
 
 
-def stability_table(rows: list[dict[str, Any]]) -> Table:
-    header = ["precision", "framework", "runs", "classification", "first non-finite step", "overflow skips",
-              "loss-scale min", "upstream defects hit"]
-    keyed: dict[tuple, list[dict[str, Any]]] = {}
-    for row in rows:
-        if row.get("stability"):
-            keyed.setdefault((row["precision"], row["framework"]), []).append(row)
+def stability_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
+    chosen = [r for r in rows if r.get("stability")]
+    config = ConfigColumns(chosen, cells) if chosen else None
+    header = (config.header if config else []) + ["runs", "classification", "first non-finite step",
+                                                  "overflow skips", "loss-scale min", "upstream defects hit",
+                                                  "evidence"]
     body = []
-    for (precision, framework), runs in sorted(keyed.items()):
+    for runs in group(chosen).values():
         classes: dict[str, int] = {}
         for r in runs:
             classes[r["stability"]] = classes.get(r["stability"], 0) + 1
         first = [r["first_nonfinite_step"] for r in runs if r.get("first_nonfinite_step") is not None]
         scales = [r["loss_scale_min"] for r in runs if r.get("loss_scale_min") is not None]
-        body.append([precision, framework, str(len(runs)),
-                     ", ".join(f"{c} {n}" for c, n in sorted(classes.items())),
-                     str(min(first)) if first else "none",
-                     str(sum(r.get("overflow_skips") or 0 for r in runs)),
-                     f"{min(scales):g}" if scales else "-", _defects(runs)])
-    return Table("stability", "Numerical stability by precision",
-                 "Per (precision, framework), over every stage run that reached training: classification counts "
-                 "(stable, recovered, skip-storm, diverged; rules in the record's stability.rules), the earliest "
-                 "non-finite step of any run, overflow-skipped steps summed over runs (fp16 dynamic loss scaling), "
-                 "the smallest loss scale seen, and the known upstream defects those runs hit (runs: n; see the "
-                 "README's list).", header, body)
+        forced = any(is_forced_failure(r) for r in runs)
+        body.append(config.values(runs) + [str(len(runs)), ", ".join(f"{c} {n}" for c, n in sorted(classes.items())),
+                                           str(min(first)) if first else "none",
+                                           str(sum(r.get("overflow_skips") or 0 for r in runs)),
+                                           f"{min(scales):g}" if scales else "-", _defects(runs),
+                                           "no (forced failure)" if forced else "yes"])
+    return Table("stability", "Numerical stability by stage and configuration",
+                 "Per cell (stage and whole configuration), over every run that reached training: classification "
+                 "counts (stable, recovered, skip-storm, diverged; rules in the record's stability.rules), the "
+                 "earliest non-finite step of any run, overflow-skipped steps summed over runs (fp16 dynamic loss "
+                 "scaling), the smallest loss scale seen, and the known upstream defects those runs hit (see the "
+                 "README's list). Evidence: no for runs tagged forced-failure (meant to fail, e.g. a learning "
+                 "rate that must diverge): they show how a failure looks and are never evidence for a claim.",
+                 header, body)
 
 
 def _defects(runs: list[dict[str, Any]]) -> str:
@@ -126,5 +160,6 @@ def _defects(runs: list[dict[str, Any]]) -> str:
     return "; ".join(f"{d} (runs: {n})" for d, n in sorted(counts.items())) or "none"
 
 
-def all_tables(rows: list[dict[str, Any]]) -> list[Table]:
-    return [memory_table(rows), throughput_table(rows), stability_table(rows), runs_table(rows)]
+def all_tables(rows: list[dict[str, Any]], cells: Cells) -> list[Table]:
+    return [memory_table(rows, cells), throughput_table(rows, cells), stability_table(rows, cells),
+            runs_table(rows)]

@@ -1,0 +1,231 @@
+"""The report's strictness rules, each on hand-made records whose numbers are chosen to trip it."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from bench.collect import collect
+from bench.report import claims, decision, differences, plots, tables
+from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, TIE
+from bench.report.decision import Leaf
+from tests.report_records import config, record, write
+
+
+def _collect(tmp_path, runs: dict[str, dict]) -> object:
+    for name, data in runs.items():
+        write(str(tmp_path), name, data)
+    return collect(str(tmp_path))
+
+
+def _verdict(collection, claim_id: str) -> tuple[str, str]:
+    verdicts = {v.claim_id: v for v in claims.check_all(collection.rows, collection.records, collection.cells)}
+    return verdicts[claim_id].verdict, verdicts[claim_id].evidence
+
+
+def _leaves(collection, **kwargs) -> dict[tuple, Leaf]:
+    return {path: found for path, found in decision.questions(decision.build(collection.rows, **kwargs))}
+
+
+# --- pooling: a cell is the whole configuration minus seed and bookkeeping -------------------------------------
+
+def test_runs_that_differ_in_a_non_column_key_are_separate_cells_and_the_table_names_the_key(tmp_path):
+    c = _collect(tmp_path, {
+        "a": record(config(seed=1), run_id="a", growth_mib=1000),
+        "b": record(config(seed=2, sweep_name="other", run_name="x"), run_id="b", growth_mib=1010),
+        "c": record(config(lr=1e-3), run_id="c", growth_mib=3000),
+        "d": record(config(**{"framework.optimizer": "torch_adamw"}), run_id="d", growth_mib=2000),
+    })
+    cells = {r["run"]: r["cell"] for r in c.rows}
+    assert cells["a"] == cells["b"]  # seed and bookkeeping only: repeats
+    assert len({cells["a"], cells["c"], cells["d"]}) == 3
+    table = tables.memory_table(c.rows, c.cells)
+    other = table.header.index("other config")
+    shown = sorted(row[other] for row in table.rows)
+    assert shown == ["framework.optimizer=fused_adam lr=-", "framework.optimizer=fused_adam lr=0.001",
+                     "framework.optimizer=torch_adamw lr=-"]
+    runs = {row[other]: row[table.header.index("runs")] for row in table.rows}
+    assert runs["framework.optimizer=fused_adam lr=-"] == "2"
+
+
+def test_lengths_steps_and_device_split_cells(tmp_path):
+    gpu = record(config(), run_id="g")
+    gpu["environment"]["device"] = "cuda"
+    c = _collect(tmp_path, {"a": record(config(), run_id="a"), "l": record(config(prompt_len=64), run_id="l"),
+                            "s": record(config(steps=12), run_id="s"), "g": gpu})
+    assert len({r["cell"] for r in c.rows}) == 4
+
+
+# --- forced failures are never evidence -------------------------------------------------------------------------
+
+def test_a_forced_divergence_is_no_evidence_for_a_claim_but_shows_in_the_stability_table(tmp_path):
+    forced = config(**{"framework.name": "trlx", "precision": "fp16", "lr": 1000.0, "tags": ["forced-failure"]})
+    c = _collect(tmp_path, {"f": record(forced, run_id="f", status="nan", stability="diverged")})
+    assert _verdict(c, "A10")[0] == NOT_MEASURED  # old behaviour: "supported" from a run broken on purpose
+    table = tables.stability_table(c.rows, c.cells)
+    assert table.rows[0][table.header.index("evidence")] == "no (forced failure)"
+    assert table.rows[0][table.header.index("tags")] == "forced-failure"
+
+
+def test_stability_is_grouped_by_stage_and_configuration(tmp_path):
+    c = _collect(tmp_path, {
+        "a": record(config(precision="fp16"), run_id="a", stability="stable"),
+        "b": record(config(precision="fp16", lr=1.0), run_id="b", stability="diverged"),
+        "s": record(config(precision="fp16", **{"stage.name": "sft", "stage.stages": ["sft"]}), run_id="s"),
+    })
+    table = tables.stability_table(c.rows, c.cells)
+    assert len(table.rows) == 3  # old behaviour: one row for (fp16, dschat)
+
+
+def test_loss_curves_leave_out_forced_failures(tmp_path):
+    c = _collect(tmp_path, {"f": record(config(tags=["forced-failure"]), run_id="f")})
+    assert plots.loss_curves(c.records, str(tmp_path)) == []
+
+
+# --- claims compare matched pairs only; a tie supports nothing ----------------------------------------------------
+
+def test_memory_order_uses_only_cells_that_differ_in_the_framework(tmp_path):
+    c = _collect(tmp_path, {
+        "d": record(config(batch=2), run_id="d", growth_mib=1000),
+        "t": record(config(batch=8, **{"framework.name": "trlx"}), run_id="t", growth_mib=3000),
+    })
+    verdict, evidence = _verdict(c, "A3")
+    assert verdict == NOT_MEASURED, evidence  # old behaviour: compared batch 2 with batch 8
+
+
+def test_memory_order_verdict_shows_its_pairs(tmp_path):
+    runs = {}
+    for framework, growth in (("trlx", 3000), ("colossalai", 2000), ("dschat", 1000)):
+        for seed in (1, 2, 3):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", growth_mib=growth + 10 * seed)
+    verdict, evidence = _verdict(_collect(tmp_path, runs), "A3")
+    assert verdict == SUPPORTED
+    assert "[stage=ppo model=glm-base precision=bf16 zero=2 lora=0 batch=2 nproc=2]" in evidence
+    assert "trlx > colossalai > dschat" in evidence
+
+
+def test_overlapping_memory_is_a_tie_not_an_order(tmp_path):
+    runs = {}
+    for framework, growths in (("trlx", (1000, 1100, 1200)), ("dschat", (1050, 1150, 1250))):
+        for seed, growth in enumerate(growths):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", growth_mib=growth)
+    verdict, evidence = _verdict(_collect(tmp_path, runs), "A3")
+    assert verdict == TIE and "dschat=trlx" in evidence
+
+
+def test_equal_stability_never_makes_trlx_best(tmp_path):
+    c = _collect(tmp_path, {"t": record(config(**{"framework.name": "trlx"}), run_id="t"),
+                            "d": record(config(), run_id="d")})
+    verdict, evidence = _verdict(c, "A5")
+    assert "trlx bf16 (best)" in evidence and "-> not supported (tie)" in evidence
+    assert verdict != SUPPORTED  # old behaviour: 0 % <= 0 % counted as "trlx best"
+
+
+def test_zero3_claim_compares_one_configuration(tmp_path):
+    c = _collect(tmp_path, {"2": record(config(zero=2), run_id="2", growth_mib=1000),
+                            "3": record(config(zero=3), run_id="3", growth_mib=500)})
+    verdict, evidence = _verdict(c, "A7")
+    assert verdict == CONTRADICTED and "ZeRO-3 / ZeRO-2 peak = 0.643" in evidence  # (400+500) / (400+1000)
+
+
+# --- the decision tree: repeats, intervals, per GPU, partial freezing -------------------------------------------
+
+def _two_frameworks(tmp_path, dschat_times: list[float], colossalai_times: list[float],
+                    step_spread: float | None = None):
+    runs = {}
+    for framework, times in (("dschat", dschat_times), ("colossalai", colossalai_times)):
+        for seed, t in enumerate(times):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", step_s=t,
+                                                step_times=[t * (1 - step_spread), t, t * (1 + step_spread)]
+                                                if step_spread else None)
+    return _collect(tmp_path, runs)
+
+
+FULL = ("glm-base", "2", "bf16", "full fine-tuning")
+
+
+def test_a_single_run_per_cell_cannot_name_a_framework(tmp_path):
+    leaf = _leaves(_two_frameworks(tmp_path, [5.0], [10.0]))[FULL]
+    assert not leaf.decided and leaf.verdict.startswith("cannot call")  # old behaviour: named dschat
+
+
+def test_three_repeats_and_a_clear_lead_name_the_framework(tmp_path):
+    leaf = _leaves(_two_frameworks(tmp_path, [5.0, 5.1, 5.2], [10.0, 10.1, 10.2]))[FULL]
+    assert leaf.decided and leaf.verdict.startswith("dschat"), leaf.verdict
+    assert any("rests on 3 run(s), 3 timed steps" in e for e in leaf.evidence)
+
+
+def test_overlapping_repeats_are_too_close_to_call(tmp_path):
+    leaf = _leaves(_two_frameworks(tmp_path, [5.0, 5.2, 9.0], [6.0, 6.1, 8.0]))[FULL]
+    assert not leaf.decided and leaf.verdict.startswith("too close to call")
+
+
+def test_one_run_with_a_per_step_interval_can_decide(tmp_path):
+    leaf = _leaves(_two_frameworks(tmp_path, [5.0], [10.0], step_spread=0.02))[FULL]
+    assert leaf.decided and leaf.verdict.startswith("dschat"), leaf.verdict
+    assert any("over steps" in e for e in leaf.evidence)
+
+
+def test_one_run_whose_steps_spread_into_the_other_cannot_decide(tmp_path):
+    leaf = _leaves(_two_frameworks(tmp_path, [5.0], [6.0], step_spread=0.3))[FULL]
+    assert not leaf.decided
+
+
+def test_partial_freezing_is_not_full_fine_tuning(tmp_path):
+    runs = {}
+    for seed in range(3):
+        runs[f"t{seed}"] = record(config(seed=seed, **{"framework.name": "trlx"}), run_id=f"t{seed}", step_s=1.0,
+                                  trainable=30, total=100)
+        runs[f"d{seed}"] = record(config(seed=seed), run_id=f"d{seed}", step_s=10.0)
+    leaves = _leaves(_collect(tmp_path, runs))
+    assert leaves[FULL].verdict.startswith("dschat")  # old behaviour: trlx, 10x faster by training 30 %
+    partial = leaves[("glm-base", "2", "bf16", "partial freezing (only some blocks train, e.g. trlx's hydra policy)")]
+    assert partial.verdict.startswith("trlx")
+
+
+def test_runs_on_different_rank_counts_are_compared_per_gpu_in_separate_branches(tmp_path):
+    runs = {}
+    for seed in range(3):
+        runs[f"one{seed}"] = record(config(seed=seed, **{"launcher.nproc": 1}), run_id=f"one{seed}", step_s=10.0)
+        runs[f"two{seed}"] = record(config(seed=seed), run_id=f"two{seed}", step_s=10.0)
+    leaves = _leaves(_collect(tmp_path, runs))
+    assert ("glm-base", "1", "bf16", "full fine-tuning") in leaves and FULL in leaves
+    speeds = {r["nproc"]: decision.speed(r) for r in collect(str(tmp_path)).rows}
+    assert speeds == {1: pytest.approx(0.2), 2: pytest.approx(0.2)}  # batch 2 x ranks / 10 s / ranks
+
+
+# --- dedupe and folder names ------------------------------------------------------------------------------------------
+
+def test_a_run_collected_twice_counts_once_and_a_sweep_named_report_is_read(tmp_path):
+    data = record(config(), run_id="a")
+    write(str(tmp_path / "sweeps" / "report"), "a", data)
+    shutil.copytree(tmp_path / "sweeps", tmp_path / "examples")
+    c = collect(str(tmp_path))
+    assert len(c.records) == 1 and len(c.rows) == 1  # old behaviour: no run (path had /report/) ...
+    assert len(c.duplicates) == 1
+    write(str(tmp_path / "examples"), "b", record(config(), run_id="a", created="2026-12-02T00:00:00Z"))
+    assert len(collect(str(tmp_path)).records) == 2  # same id, another run: both count
+
+
+# --- where memory differs ---------------------------------------------------------------------------------------------
+
+def test_a_memory_difference_beyond_the_spread_names_its_phase_and_term(tmp_path):
+    runs = {}
+    for seed in range(3):
+        runs[f"d{seed}"] = record(config(seed=seed), run_id=f"d{seed}", growth_mib=1000 + seed, rest_mib=400)
+        runs[f"c{seed}"] = record(config(seed=seed, **{"framework.name": "colossalai"}), run_id=f"c{seed}",
+                                  growth_mib=1600 + seed, rest_mib=1000)
+    c = _collect(tmp_path, runs)
+    table = differences.differences_table(c.rows, c.cells)
+    assert table.rows[0][2:] == ["colossalai (full) vs dschat (full)", "1,601 ±1 (n=3) vs 1,001 ±1 (n=3)",
+                                 "colossalai +600 MiB in training", "rest", "+600 MiB"]
+
+
+def test_the_caveat_states_scale_machine_and_repeats(tmp_path):
+    c = _two_frameworks(tmp_path, [5.0, 5.0], [6.0])
+    text = claims.caveat(c.rows, c.records)
+    assert "3 finished runs in 2 cells" in text and "repeats per cell 1-2" in text and "glm-base" in text
