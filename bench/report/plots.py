@@ -90,8 +90,8 @@ def _stages(rows: Rows) -> list[str]:
 def memory_by(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figure]:
     """Growth over the post-import baseline (MiB, max over ranks and phases) against `knob`, bars from 0."""
     ok = [r for r in trained(rows) if r.get("growth_bytes") is not None]
-    stages = _stages(ok)
-    if not stages or len({r[knob] for r in ok}) < 2:
+    stages = [s for s in _stages(ok) if len({r[knob] for r in ok if r["stage"] == s}) > 1]  # a knob that moved
+    if not stages:
         return []
     fig, axes = plt.subplots(1, len(stages), figsize=(4.6 * len(stages), 3.8), squeeze=False)
     for ax, stage in zip(axes[0], stages, strict=True):
