@@ -312,7 +312,7 @@ def collect(root: str) -> Collection:
     its curated copy: same run id, same creation time) counts once, at its first path."""
     collection = Collection(root=root)
     seen: dict[tuple[str, str], str] = {}
-    for path in sorted(glob.glob(os.path.join(root, "**", RECORD_NAME), recursive=True)):
+    for path in sorted(glob.glob(os.path.join(glob.escape(root), "**", RECORD_NAME), recursive=True)):
         run = os.path.relpath(os.path.dirname(path), root)
         try:
             with open(path) as f:

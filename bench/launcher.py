@@ -76,7 +76,7 @@ def missing_ranks_failure(expected: int, present: list[int], returncode: int | N
 
 def remove_torn_writes(directory: str) -> None:
     """A write killed midway (SIGKILL, power) leaves a `.tmp-*` file behind write_json's atomic rename."""
-    for stale in glob.glob(os.path.join(directory, ".tmp-*")):
+    for stale in glob.glob(os.path.join(glob.escape(directory), ".tmp-*")):
         with contextlib.suppress(OSError):
             os.unlink(stale)
 
@@ -102,7 +102,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
                  ) -> StageOutcome:
     stage_dir = os.path.abspath(stage_dir)  # workers run from the repository root
     os.makedirs(stage_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(stage_dir, "rank*.json")):
+    for stale in glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json")):
         os.unlink(stale)
     remove_torn_writes(stage_dir)
     spec_path = os.path.join(stage_dir, "spec.json")
@@ -135,7 +135,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
         pump.join(timeout=10)
     wall = time.perf_counter() - start
     ranks = []
-    for path in sorted(glob.glob(os.path.join(stage_dir, "rank*.json"))):
+    for path in sorted(glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json"))):
         with open(path) as f:
             ranks.append(json.load(f))
     if failure is None and len(ranks) < spec.launcher.nproc:

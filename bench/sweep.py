@@ -45,7 +45,7 @@ def oom_backstop(config: dict[str, Any], sweep_dir: str, own_dir: str) -> int | 
     """The smallest batch at which this cell's configuration ran out of memory, if smaller than its own."""
     mine = cell_key(config, ("batch",))
     smallest = None
-    for path in glob.glob(os.path.join(sweep_dir, "**", "record.json"), recursive=True):
+    for path in glob.glob(os.path.join(glob.escape(sweep_dir), "**", "record.json"), recursive=True):
         if os.path.abspath(os.path.dirname(path)) == os.path.abspath(own_dir):
             continue
         record = read_record(path)

@@ -211,6 +211,12 @@ def test_a_run_collected_twice_counts_once_and_a_sweep_named_report_is_read(tmp_
     assert len(collect(str(tmp_path)).records) == 2  # same id, another run: both count
 
 
+def test_a_folder_named_like_a_hydra_override_with_brackets_is_read_literally(tmp_path):
+    root = tmp_path / "tags=[forced-failure]"  # a glob pattern would read [...] as a character class
+    write(str(root), "a", record(config(), run_id="a"))
+    assert len(collect(str(root)).records) == 1
+
+
 # --- where memory differs ---------------------------------------------------------------------------------------------
 
 def test_a_memory_difference_beyond_the_spread_names_its_phase_and_term(tmp_path):
