@@ -235,3 +235,10 @@ def test_the_caveat_states_scale_machine_and_repeats(tmp_path):
     c = _two_frameworks(tmp_path, [5.0, 5.0], [6.0])
     text = claims.caveat(c.rows, c.records)
     assert "3 finished runs in 2 cells" in text and "repeats per cell 1-2" in text and "glm-base" in text
+
+
+def test_side_by_side_figures_take_one_configuration_that_differs_only_in_the_framework(tmp_path):
+    c = _collect(tmp_path, {"d": record(config(), run_id="d"), "dl": record(config(lr=1e-3), run_id="dl"),
+                            "c": record(config(**{"framework.name": "colossalai"}), run_id="c")})
+    _, chosen = plots._shared_configuration(c.rows, c.cells)
+    assert sorted(r["run"] for r in chosen) == ["c", "d"]  # the lr=1e-3 run shares the main columns only

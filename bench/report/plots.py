@@ -161,17 +161,25 @@ def memory_vs_ranks(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
                    "ranks grow; median over repeats, bar = min to max.")]
 
 
-def memory_breakdown(rows: Rows, directory: str) -> list[Figure]:
+def _shared_configuration(rows: Rows, cells: Cells) -> tuple[tuple, Rows]:
+    """The runs of the one configuration most frameworks share: cells equal in every key but the framework's
+    own (the framework comparison's matched set), so bars side by side differ only in the framework."""
+    free = KNOBS["framework"]
+    by_config: dict[str, Rows] = {}
+    for r in rows:
+        key = json.dumps({k: v for k, v in cells[r["cell"]].items() if not free(k)}, sort_keys=True, default=str)
+        by_config.setdefault(key, []).append(r)
+    chosen = max(by_config.values(), key=lambda runs: (len({r["framework"] for r in runs}), len(runs)))
+    return tuple(chosen[0].get(k) for k in ("model", "precision", "zero", "lora", "batch", "nproc")), chosen
+
+
+def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
     """Stacked per-phase peak per framework, for each stage at the configuration most frameworks share."""
     ok = [r for r in trained(rows) if r.get("peak_phase")]
     figures = []
     for stage in _stages(ok):
         rows_s = [r for r in ok if r["stage"] == stage]
-        by_config: dict[tuple, Rows] = {}
-        for r in rows_s:
-            by_config.setdefault(tuple(r.get(k) for k in ("model", "precision", "zero", "lora", "batch", "nproc")),
-                                 []).append(r)
-        config, chosen = max(by_config.items(), key=lambda kv: (len({r["framework"] for r in kv[1]}), len(kv[1])))
+        config, chosen = _shared_configuration(rows_s, cells)
         frameworks = sorted({r["framework"] for r in chosen})
         phases = [p for p in PHASE_ORDER if p not in SETUP_PHASES and p != "evaluation"
                   and any(r.get(f"baseline_{p}_bytes") is not None for r in chosen)]
@@ -209,17 +217,14 @@ def memory_breakdown(rows: Rows, directory: str) -> list[Figure]:
     return figures
 
 
-def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], directory: str) -> list[Figure]:
+def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str
+                        ) -> list[Figure]:
     """Per-step, per-phase peak of one ok PPO run per framework at one shared configuration, aligned by phase."""
     ppo = [r for r in trained(rows) if r["stage"] == "ppo" and
            ((records[r["run"]]["stages"]["ppo"].get("memory") or {}).get("timeline"))]
     if not ppo:
         return []
-    by_config: dict[tuple, Rows] = {}
-    for r in ppo:
-        by_config.setdefault(tuple(r.get(k) for k in ("model", "precision", "zero", "lora", "batch", "nproc")),
-                             []).append(r)
-    config, chosen = max(by_config.items(), key=lambda kv: (len({r["framework"] for r in kv[1]}), len(kv[1])))
+    config, chosen = _shared_configuration(ppo, cells)
     phases = [p for p in PHASE_ORDER if any(s["phase"] == p for r in chosen
                                             for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])]
     fig, ax = plt.subplots(figsize=(9, 3.8))
@@ -315,8 +320,8 @@ def reward_curves(records: dict[str, dict[str, Any]], directory: str) -> list[Fi
 
 def all_plots(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str) -> list[Figure]:
     os.makedirs(directory, exist_ok=True)
-    return (memory_breakdown(rows, directory) + memory_by(rows, cells, directory, "zero")
+    return (memory_breakdown(rows, cells, directory) + memory_by(rows, cells, directory, "zero")
             + memory_by(rows, cells, directory, "lora") + memory_vs_ranks(rows, cells, directory)
             + throughput_vs(rows, cells, directory, "batch") + throughput_vs(rows, cells, directory, "nproc")
-            + ppo_memory_timeline(rows, records, directory) + loss_curves(records, directory)
+            + ppo_memory_timeline(rows, records, cells, directory) + loss_curves(records, directory)
             + reward_curves(records, directory))
