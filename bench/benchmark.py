@@ -16,7 +16,8 @@ from typing import Any
 
 from bench.launcher import launch_stage, remove_torn_writes
 from bench.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
-from bench.spec import LauncherSpec, RunSpec
+from bench.spec import DebugSpec, LauncherSpec, RunSpec
+from bench.trend import soak_trends
 
 log = logging.getLogger(__name__)
 RECORD_FILE = "record.json"
@@ -27,7 +28,7 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     cheap settings so that every PPO configuration of a sweep scores against the same RM."""
     return spec.replace(
         stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, lr=None,
-        plugin="auto", tp=1, pp=1,
+        plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )
@@ -89,6 +90,19 @@ def _train_prerequisite_rm(rm_spec: RunSpec, directory: str, summary_path: str, 
     return dict(summary, cached=False)
 
 
+def soak_budget(spec: RunSpec, environment: dict[str, Any]) -> tuple[float | None, str]:
+    """The per-rank memory a soak run's growth is projected against, and where the figure comes from."""
+    if spec.memory_budget_gb is not None:
+        return spec.memory_budget_gb * 2**30, f"memory_budget_gb={spec.memory_budget_gb:g} per rank"
+    gpu = environment.get("gpu")
+    if gpu:
+        return float(gpu["memory_bytes"]), f"{gpu['name']} memory (per GPU)"
+    host = environment.get("host_memory_bytes")
+    if host:
+        return host / spec.launcher.nproc, f"host RAM / {spec.launcher.nproc} rank(s) sharing it"
+    return None, "unknown: no budget given and the device's memory was not recorded"
+
+
 def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir: str,
                   echo: bool = True) -> ResultRecord:
     from adapters import registry
@@ -116,6 +130,10 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
         environment = next((r["environment"] for r in outcome.ranks if "environment" in r), None)
         if environment and not record.environment:
             record.environment = environment
+        if spec.soak and result.memory.get("timeline"):
+            budget, source = soak_budget(spec, record.environment)
+            result.memory["trend"] = soak_trends(result.memory["timeline"], result.steps, spec.warmup_steps,
+                                                 spec.steps[stage], budget, source)
         record.write(record_path)
         if result.status != "ok":
             break

@@ -23,6 +23,9 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
                   "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s")
+# Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
+# with: an older record counts as that default, so that adding a knob never splits its cells.
+ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "debug.leak_mib_per_step": 0, "debug.leak_phase": "training"}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -62,6 +65,8 @@ def cell_config(record: dict[str, Any], stage: str) -> dict[str, Any]:
     """What identifies a cell: the whole resolved configuration of a stage row, the device it ran on, minus
     the seed and bookkeeping; a checkpoint path counts only as "given" (each run writes its own)."""
     flat = {k: v for k, v in flatten(record["config"]).items() if k not in BOOKKEEPING_KEYS}
+    for key, default in ADDED_KEYS.items():
+        flat.setdefault(key, default)
     for key in ("init.sft", "init.rm"):
         if flat.get(key) is not None:
             flat[key] = "given"

@@ -61,6 +61,7 @@ def environment(device_type: str, world_size: int) -> dict[str, Any]:
         "git_commit": git_commit(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
+        "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
         "gpu": gpu,
         "device": device_type,
         "world_size": world_size,

@@ -73,6 +73,7 @@ class StageLoop:
         self._roles: dict[str, tuple[str, ...]] = {}
         self._counts: dict[str, ParamCounts] = {}
         self._attention: dict[str, Attention] = {}
+        self._leak: list[torch.Tensor] = []
 
     def _measure(self, phase: str, step: int, work: Callable[[], Any],
                  context: float | Callable[[Any], float] | None = None):
@@ -80,6 +81,9 @@ class StageLoop:
         its tokens attend over, for the FLOPs formula."""
         with self.tracker.phase(phase, step) as sample:
             result = work()
+            leak = self.spec.debug.leak_mib_per_step
+            if leak and phase == self.spec.debug.leak_phase:  # test only: a planted leak that soak runs must find
+                self._leak.append(torch.ones(int(leak * 2**20), dtype=torch.uint8, device=self.tracker.device))
             tokens = getattr(result, "tokens", None)
             samples = getattr(result, "samples", None)
             if isinstance(result, dict):

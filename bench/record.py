@@ -208,12 +208,24 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 entry[key] = max(values)
                 entry[f"{key}_per_rank"] = per_rank[key]
         phases[phase] = entry
-    timeline: dict[tuple[str, int], int] = {}
+    timeline: dict[tuple[str, int], dict[str, Any]] = {}
     for r in ranks:
+        previous_end = None
         for s in r.get("phase_samples", []):
             if s.get("step") is not None and s["step"] >= 0:
-                key = (s["phase"], s["step"])
-                timeline[key] = max(timeline.get(key, 0), s["peak_bytes"])
+                entry = timeline.setdefault((s["phase"], s["step"]), {"phase": s["phase"], "step": s["step"],
+                                                                      "peak_bytes": 0})
+                entry["peak_bytes"] = max(entry["peak_bytes"], s["peak_bytes"])
+                if previous_end is not None and s.get("live_end_bytes") is not None:
+                    # what the phase left alive: live allocations at its end minus at the end of the phase
+                    # before it (this rank)
+                    retained = s["live_end_bytes"] - previous_end
+                    entry["retained_bytes"] = max(entry.get("retained_bytes", retained), retained)
+                if s.get("reserved_peak_bytes") is not None and s.get("allocated_peak_bytes") is not None:
+                    # CUDA: what the caching allocator holds beyond its tensors (fragmentation, pooled blocks)
+                    slack = s["reserved_peak_bytes"] - s["allocated_peak_bytes"]
+                    entry["allocator_slack_bytes"] = max(entry.get("allocator_slack_bytes", slack), slack)
+            previous_end = s.get("live_end_bytes", previous_end)
     memory = {
         "method": ranks[0].get("memory_method"),
         "unit": "bytes",
@@ -234,8 +246,7 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
                                  "(activations, gradients, caches, logits, communication buckets, allocator "
                                  "slack); they add up to the phase's peak"),
         "phases": phases,
-        "timeline": [{"phase": p, "step": s, "peak_bytes": b} for (p, s), b in sorted(timeline.items(),
-                                                                                    key=lambda kv: kv[0][1])],
+        "timeline": [entry for _, entry in sorted(timeline.items(), key=lambda kv: kv[0][1])],
     }
     outside = [r.get("outside_allocator") for r in ranks]
     if any(o and "not_available" not in o for o in outside):

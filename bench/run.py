@@ -21,10 +21,11 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 from bench.benchmark import RECORD_FILE, run_benchmark
+from bench.cli_checks import check_command_line
 from bench.config import CONF_DIR, to_plain
 from bench.record import ResultRecord, StageRecord, utc_now
 from bench.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
-from bench.sweep import finished, oom_backstop, read_record
+from bench.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
 from bench.table import print_record
 
 log = logging.getLogger("bench.run")
@@ -50,14 +51,22 @@ def main(cfg: DictConfig) -> str:
     run_dir = HydraConfig.get().runtime.output_dir
     config = to_plain(cfg)
     console = Console()
-    sweeping = HydraConfig.get().mode == RunMode.MULTIRUN
-    record_path = os.path.join(run_dir, RECORD_FILE)
-    if sweeping and not config.get("force"):
-        done = finished(record_path)
+    if HydraConfig.get().mode != RunMode.MULTIRUN:
+        return _run(config, run_dir, console, sweeping=False)
+    with claim_cell(run_dir) as mine:
+        if not mine:  # another sweep over the same directory is running this cell now
+            console.print(f"[dim]running in another process: {run_dir} -- left to it[/dim]", soft_wrap=True)
+            return ELSEWHERE
+        done = None if config.get("force") else finished(os.path.join(run_dir, RECORD_FILE))
         if done is not None:
             console.print(f"[dim]already done ({done['status']}): {run_dir} -- force=true runs it again[/dim]",
                           soft_wrap=True)
             return f"resumed:{done['status']}"
+        return _run(config, run_dir, console, sweeping=True)
+
+
+def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
+    record_path = os.path.join(run_dir, RECORD_FILE)
     try:
         spec = spec_from_config(config)
     except SpecError as err:
@@ -89,5 +98,15 @@ def main(cfg: DictConfig) -> str:
     return record.status
 
 
-if __name__ == "__main__":
+def cli() -> None:
+    """Refuse a command line that cannot work before Hydra writes anything, then run."""
+    try:
+        check_command_line(sys.argv[1:])
+    except SpecError as err:
+        Console().print(f"[bold red]invalid configuration:[/bold red] {err}", soft_wrap=True)
+        sys.exit(2)
     main()
+
+
+if __name__ == "__main__":
+    cli()

@@ -7,10 +7,13 @@ message names the bad value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
+
+from bench.trend import MIN_POINTS, first_fitted_step
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -21,6 +24,9 @@ DEVICES = ("auto", "cpu", "cuda")
 # Run tags the report acts on. forced-failure: the run is meant to fail (a forced divergence); it shows in
 # the stability table and is never evidence for a claim, a decision or a figure of trained runs.
 TAGS = ("forced-failure",)
+# Architectures a local checkpoint (model.path) may have: the adapters reach into GPT-2's modules (transformer.h,
+# c_attn, ln_f), the architecture the GLM stand-in is built on.
+MODEL_TYPES = ("gpt2",)
 # Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
 MIN_VOCAB = 64
 
@@ -63,6 +69,24 @@ def _positive_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def _model_path(path: Any) -> None:
+    if not isinstance(path, str) or not os.path.isdir(path):
+        raise SpecError(f"model.path={path!r} is not a directory; give a local Hugging Face checkpoint "
+                        "directory (config.json and weights) or leave it null for a model built from model.*")
+    config_file = os.path.join(path, "config.json")
+    try:
+        with open(config_file) as f:
+            model_type = json.load(f).get("model_type")
+    except FileNotFoundError:
+        raise SpecError(f"model.path={path!r} holds no config.json; it must be a Hugging Face checkpoint "
+                        "directory") from None
+    except (OSError, ValueError, AttributeError) as err:
+        raise SpecError(f"model.path={path!r}: config.json cannot be read as a JSON object ({err})") from None
+    if model_type not in MODEL_TYPES:
+        raise SpecError(f"model.path={path!r} holds model_type={model_type!r}; the adapters support "
+                        f"{', '.join(MODEL_TYPES)} (the architecture of the GLM stand-in)")
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise SpecError(f"{name}={value!r} must be true or false")
@@ -85,6 +109,8 @@ class ModelSpec:
         for key in ("hidden", "layers", "heads", "positions"):
             _int(f"model.{key}", getattr(self, key), 1)
         _int("model.vocab", self.vocab, MIN_VOCAB)
+        if self.path is not None:
+            _model_path(self.path)
         if self.hidden % self.heads:
             raise SpecError(f"model.heads={self.heads} must divide model.hidden={self.hidden}")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
@@ -126,6 +152,25 @@ class StabilitySpec:
             raise SpecError(f"stability.skip_rate_storm={self.skip_rate_storm!r} must be a number in (0, 1]")
 
 
+# Phases that run once per step, where a planted leak can sit.
+STEP_PHASES = ("generation", "experience", "training", "onload", "offload")
+
+
+@dataclass(frozen=True)
+class DebugSpec:
+    """Test-only knobs: a planted leak keeps `leak_mib_per_step` MiB alive per step in `leak_phase`, so that a
+    test can check that a soak run finds it, in the right phase, at the right slope."""
+
+    leak_mib_per_step: float = 0.0
+    leak_phase: str = "training"
+
+    def __post_init__(self) -> None:
+        value = self.leak_mib_per_step
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise SpecError(f"debug.leak_mib_per_step={value!r} must be a number >= 0")
+        _choice("debug.leak_phase", self.leak_phase, STEP_PHASES)
+
+
 @dataclass(frozen=True)
 class InitSpec:
     sft: str | None = None
@@ -162,6 +207,9 @@ class RunSpec:
     pp: int = 1
     wandb: str = "off"
     tags: tuple[str, ...] = ()
+    soak: bool = False
+    memory_budget_gb: float | None = None
+    debug: DebugSpec = field(default_factory=DebugSpec)
     init: InitSpec = field(default_factory=InitSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -204,6 +252,17 @@ class RunSpec:
                 raise SpecError(
                     f"steps={steps} for {stage} leaves no measured step after warmup_steps={self.warmup_steps}"
                 )
+        _bool("soak", self.soak)
+        if self.memory_budget_gb is not None:
+            _positive_float("memory_budget_gb", self.memory_budget_gb)
+        if self.soak:
+            for stage in self.stages:
+                fitted = self.steps[stage] - first_fitted_step(self.warmup_steps, self.steps[stage])
+                if fitted < MIN_POINTS:
+                    raise SpecError(
+                        f"soak=true needs at least {MIN_POINTS} fitted steps per stage; steps={self.steps[stage]} "
+                        f"for {stage} with warmup_steps={self.warmup_steps} leaves {fitted} (the fit starts after "
+                        "warm-up and the first tenth of the run)")
         if self.prompt_len + self.answer_len > self.model.positions:
             raise SpecError(
                 f"prompt_len + answer_len = {self.prompt_len + self.answer_len} exceeds "
@@ -240,6 +299,7 @@ class RunSpec:
         data["launcher"] = LauncherSpec(**data.get("launcher") or {})
         data["stability"] = StabilitySpec(**data.get("stability") or {})
         data["tags"] = tuple(data.get("tags") or ())
+        data["debug"] = DebugSpec(**data.get("debug") or {})
         return cls(**data)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -281,6 +341,9 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         pp=cfg["pp"],
         wandb=cfg.get("wandb", "off"),
         tags=tuple(cfg.get("tags") or ()),
+        soak=cfg.get("soak", False),
+        memory_budget_gb=cfg.get("memory_budget_gb"),
+        debug=DebugSpec(**dict(cfg.get("debug") or {})),
         init=InitSpec(**dict(cfg.get("init") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),

@@ -2,15 +2,19 @@
 
 A sweep directory holds one sub-directory per cell (Hydra's override_dirname), each with its
 record.json. Re-running the same sweep (`sweep_name=<dir>`) skips every cell whose record is finished;
-`force=true` re-runs them. When a cell ran out of memory at batch N, the cells that differ from it only
-by a larger batch are recorded as skipped instead of run.
+`force=true` re-runs them. Two sweeps over one directory at once run each cell once: a cell is claimed
+while it runs, and the other sweep leaves it. When a cell ran out of memory at batch N, the cells that
+differ from it only by a larger batch are recorded as skipped instead of run.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from bench.collect import BOOKKEEPING_KEYS, flatten
@@ -23,6 +27,25 @@ def cell_key(config: dict[str, Any], without: tuple[str, ...] = ()) -> str:
     """A canonical string of everything a run measures, less `without`."""
     flat = {k: v for k, v in flatten(config).items() if k not in NOT_MEASURED + without}
     return json.dumps(flat, sort_keys=True, default=str)
+
+
+# What a cell returns to the sweep when another process holds it (two sweeps over one directory).
+ELSEWHERE = "running-elsewhere"
+CLAIM_FILE = ".claim.lock"
+
+
+@contextmanager
+def claim_cell(run_dir: str) -> Iterator[bool]:
+    """Hold a cell for the duration of its run; yields False when another process holds it. Two sweeps
+    over the same directory then run each cell once. flock, so the claim dies with its holder (SIGKILL too)."""
+    os.makedirs(run_dir, exist_ok=True)
+    with open(os.path.join(run_dir, CLAIM_FILE), "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def read_record(path: str) -> dict[str, Any] | None:

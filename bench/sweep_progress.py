@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 
 BAR_WIDTH = 24
-NOT_RUN = ("skipped", "unsupported")
+NOT_RUN = ("skipped", "unsupported", "running-elsewhere")
 
 
 def sweep_size(task_overrides: list[str]) -> int:
@@ -58,7 +58,7 @@ class SweepProgress(Callback):
         outcome = str(job_return.return_value) if job_return.status.name == "COMPLETED" else "error"
         status = outcome.split(":")[-1]  # "resumed:<status>" for a cell whose finished record was kept
         self.counts["ok" if status == "ok" else "skipped" if status in NOT_RUN else "failed"] += 1
-        if outcome.startswith("resumed:"):
+        if outcome.startswith("resumed:") or outcome == "running-elsewhere":  # this sweep did not run it
             self.resumed += 1
         else:
             self.ran_s.append(time.perf_counter() - self._started)

@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export OMP_NUM_THREADS=1
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q -m "not slow" "$@"
+.venv/bin/python -m pytest -q -m "not slow" --durations=15 "$@"

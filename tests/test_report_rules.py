@@ -57,6 +57,17 @@ def test_lengths_steps_and_device_split_cells(tmp_path):
     assert len({r["cell"] for r in c.rows}) == 4
 
 
+def test_a_record_from_before_a_knob_existed_pools_with_runs_at_the_knobs_default(tmp_path):
+    def knobs(leak: float) -> dict:
+        return {"soak": False, "memory_budget_gb": None, "debug": {"leak_mib_per_step": leak, "leak_phase": "training"}}
+
+    newer, leaking = config(seed=2, **knobs(0)), config(seed=3, **knobs(1))
+    c = _collect(tmp_path, {"old": record(config(seed=1), run_id="old"), "new": record(newer, run_id="new"),
+                            "leak": record(leaking, run_id="leak")})
+    cells = {r["run"]: r["cell"] for r in c.rows}
+    assert cells["old"] == cells["new"] != cells["leak"]
+
+
 # --- forced failures are never evidence -------------------------------------------------------------------------
 
 def test_a_forced_divergence_is_no_evidence_for_a_claim_but_shows_in_the_stability_table(tmp_path):
@@ -242,3 +253,32 @@ def test_side_by_side_figures_take_one_configuration_that_differs_only_in_the_fr
                             "c": record(config(**{"framework.name": "colossalai"}), run_id="c")})
     _, chosen = plots._shared_configuration(c.rows, c.cells)
     assert sorted(r["run"] for r in chosen) == ["c", "d"]  # the lr=1e-3 run shares the main columns only
+
+
+# --- soak runs ---------------------------------------------------------------------------------------------------
+
+def test_soak_runs_get_a_verdict_table_and_a_trend_figure(tmp_path):
+    from bench.report import soak
+    from bench.trend import MIB as T_MIB
+    from bench.trend import soak_trends
+
+    leaky = record(config(soak=True), run_id="leaky")
+    timeline = [{"phase": phase, "step": step, "peak_bytes": 500 * T_MIB + step * T_MIB,
+                 "retained_bytes": T_MIB if phase == "experience" else 0}
+                for step in range(30) for phase in ("generation", "experience")]
+    leaky["stages"]["ppo"]["memory"]["timeline"] = timeline
+    leaky["stages"]["ppo"]["memory"]["trend"] = soak_trends(timeline, [], 2, 30, 1000 * T_MIB, "test budget")
+    c = _collect(tmp_path / "records", {"leaky": leaky, "plain": record(config(), run_id="plain")})
+    (table,) = soak.soak_table(c.rows, c.records)
+    column = {name: i for i, name in enumerate(table.header)}
+    rows = {row[column["phase"]]: row for row in table.rows}
+    assert set(rows) == {"generation", "experience"}  # the plain run is no soak run: no rows
+    experience = rows["experience"]
+    assert experience[column["verdict"]] == "growing"
+    assert experience[column["MiB / 100 steps"]] == "+100.0"
+    assert experience[column["grows in"]] == "experience"
+    assert experience[column["budget crossed at step"]] == "501"  # 500 + step MiB passes 1000 MiB after 500
+    assert "1.0 GiB (test budget)" in table.caption
+    (figure,) = soak.soak_figure(c.rows, c.records, str(tmp_path / "plots"))
+    assert figure.path.endswith("soak_memory.png") and "least-squares" in figure.caption
+    assert soak.soak_table([r for r in c.rows if r["run"] == "plain"], c.records) == []

@@ -50,6 +50,10 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("framework.critic_lora_dim=-2", ["framework.critic_lora_dim=-2", "integer >= 0"]),
         ("framework.actor_dropout=1.5", ["framework.actor_dropout=1.5", "null (keep the model's)", "[0, 1)"]),
         ("framework.compute_fp32_loss=yes", ["framework.compute_fp32_loss='yes'", "true or false"]),
+        ("soak=maybe", ["soak='maybe' must be true or false"]),
+        ("memory_budget_gb=0", ["memory_budget_gb=0 must be a positive number"]),
+        ("debug.leak_mib_per_step=-1", ["debug.leak_mib_per_step=-1 must be a number >= 0"]),
+        ("debug.leak_phase=init", ["debug.leak_phase='init'", "generation, experience, training"]),
     ],
 )
 def test_bad_values_are_named_with_the_allowed_ones(override, expected):
@@ -57,6 +61,13 @@ def test_bad_values_are_named_with_the_allowed_ones(override, expected):
         spec(override)
     for text in expected:
         assert text in str(err.value)
+
+
+def test_a_soak_run_needs_enough_fitted_steps():
+    with pytest.raises(SpecError, match=r"soak=true needs at least 10 fitted steps per stage; steps=12 for ppo "
+                                        r"with warmup_steps=3 leaves 9"):
+        spec("soak=true", "steps=12", "warmup_steps=3")
+    assert spec("soak=true", "steps=12", "warmup_steps=2").soak  # fit from step max(2, 2) = 2: 10 steps
 
 
 def test_unsupported_combinations_fail_before_launch():
@@ -132,16 +143,88 @@ def test_colossalai_auto_plugin_follows_the_config_table():
     assert plugin("tp=2", "launcher.nproc=2") == ("3d", "HybridParallelPlugin")
 
 
+def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
+    directory = tmp_path / "checkpoint"
+    directory.mkdir()
+    if config is not None:
+        (directory / "config.json").write_text(config)
+    return str(directory)
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, trlx"]),
+        (["-m", "framework=dschat,foo"], ["framework='foo' is not allowed"]),
+        (["stage=train"], ["stage='train' is not allowed", "pipeline, ppo, rm, sft"]),
+        (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, tiny"]),
+        (["zero=4"], ["zero=4 is not allowed", "0, 1, 2, 3"]),
+        (["precision=int8"], ["precision='int8'", "fp32, bf16, fp16"]),
+        (["batch=two"], ["batch='two' must be an integer"]),
+        (["batch=0"], ["batch=0", ">= 1"]),
+        (["steps=-3"], ["steps (ppo)=-3", ">= 1"]),
+        (["answer_len=1.5"], ["answer_len=1.5 must be an integer"]),
+        (["prompt_len=0"], ["prompt_len=0", ">= 2"]),
+        (["launcher.nproc=many"], ["launcher.nproc='many' must be an integer"]),
+        (["launcher.nproc=-2"], ["launcher.nproc=-2", ">= 1"]),
+        (["lora=128"], ["lora=128 must be smaller than model.hidden=128"]),
+        (["prompt_len=64", "answer_len=65"], ["prompt_len + answer_len = 129 exceeds model.positions=128"]),
+        (["model.path=/no/such/checkpoint"], ["model.path='/no/such/checkpoint' is not a directory"]),
+        (["model.path={checkpoint}"], ["holds no config.json"]),
+        (["model.path={checkpoint:not json}"], ["config.json cannot be read as a JSON object"]),
+        (['model.path={checkpoint:{"model_type": "llama"}}'], ["model_type='llama'", "support gpt2"]),
+        (["output_root={file}/results"], ["cannot be created", "is a file, not a directory"]),
+        (["bogus=1"], ["bogus is not a key of the configuration"]),
+        (["framework.optimzer=sgd"], ["did you mean framework.optimizer"]),
+        (["+bogus=1"], ["+bogus: rlhf-bench reads only the keys of its configuration"]),
+        (["-m", "framework=dschat,trlx", "framework.hybrid_engine=true"],
+         ["framework.hybrid_engine is not a key of the configuration with framework=trlx"]),
+        (["zero"], ["Error parsing override 'zero'", "KEY=VALUE"]),
+    ],
+)
+def test_hostile_command_lines_are_refused_naming_the_value_and_what_is_allowed(args, expected, tmp_path):
+    from bench.cli_checks import check_command_line
+
+    (tmp_path / "a-file").write_text("")
+    filled = []
+    for arg in args:
+        if "{checkpoint" in arg:
+            key, _, template = arg.partition("=")
+            config = template[len("{checkpoint"):-1].lstrip(":") or None
+            arg = f"{key}={_checkpoint_dir(tmp_path, config)}"
+        filled.append(arg.replace("{file}", str(tmp_path / "a-file")))
+    with pytest.raises(SpecError) as err:
+        check_command_line(filled)
+    for text in expected:
+        assert text in str(err.value), str(err.value)
+
+
+def test_a_gpt2_checkpoint_directory_and_a_valid_sweep_pass_the_checks(tmp_path):
+    from bench.cli_checks import check_command_line
+
+    path = _checkpoint_dir(tmp_path, '{"model_type": "gpt2"}')
+    check_command_line([f"model.path={path}", f"output_root={tmp_path / 'new' / 'results'}"])
+    check_command_line(["-m", "framework=dschat,trlx", "zero=0,2", "batch=0"])  # a sweep validates each cell
+    check_command_line(["offload=true", "zero=0"])  # unsupported: the run records it
+    check_command_line(["--help", "bogus=1"])  # help only prints
+    assert not (tmp_path / "new").exists(), "the writability probe left a directory behind"
+
+
 @pytest.mark.engine
-@pytest.mark.parametrize("override", ["zero=5", "model.dropout=abc", "init.sft=/no/such/sft.pt"])
-def test_cli_rejects_bad_override_without_launching(override, tmp_path):
+# One value refused by the spec, one by the group choices, one unknown key; the rest of the refusals are the
+# unit tests above (the same function, without a process start each).
+@pytest.mark.parametrize("override", ["zero=5", "framework=foo", "bogus=1"])
+def test_cli_rejects_bad_override_with_exit_2_and_writes_nothing(override, tmp_path):
+    root = tmp_path / "results"
+    root.mkdir()
+    (root / "earlier.json").write_text("{}")  # results already there stay untouched
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", override, f"output_root={tmp_path}"],
+        [sys.executable, "-m", "bench.run", override, f"output_root={root}"],
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr[-2000:]
     assert "invalid configuration" in proc.stdout and override.split("=")[0] in proc.stdout
-    assert not list(tmp_path.glob("runs/*/*/worker.log")), "a worker was launched"
+    assert [p.name for p in root.rglob("*")] == ["earlier.json"], "something was written"
 
 
 @pytest.mark.parametrize(

@@ -164,3 +164,20 @@ def test_parallel_cells_train_the_prerequisite_reward_model_once(tmp_path):
         thread.join(timeout=600)
     assert sorted(r["cached"] for r in results) == [False, True], results
     assert all(r["status"] == "ok" for r in results) and results[0]["checkpoint"] == results[1]["checkpoint"]
+
+
+@pytest.mark.engine
+def test_two_sweeps_over_one_directory_run_each_cell_once(tmp_path):
+    """Two processes sweep the same cells into the same directory at once: every record parses, every cell
+    has run exactly once (the other sweep found it claimed or done), nothing is lost."""
+    cmd = [sys.executable, "-m", "bench.run", "-m", *SFT, "seed=1,2,3", f"output_root={tmp_path}", "sweep_name=s"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(2)]
+    outputs = [proc.communicate(timeout=600)[0] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    found = records(tmp_path)
+    assert sorted(r["config"]["seed"] for r in found.values()) == [1, 2, 3]
+    assert all(r["status"] == "ok" for r in found.values()), {k: r["error"] for k, r in found.items()}
+    left = sum(out.count("running in another process") + out.count("already done") for out in outputs)
+    assert left == 3, "each cell must be run by one sweep and left by the other"

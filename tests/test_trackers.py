@@ -27,6 +27,21 @@ def test_cpu_phase_peak_catches_a_short_allocation_and_resets():
     assert "VmHWM" in tracker.memory.method or "psutil" in tracker.memory.method
 
 
+def test_a_phase_end_counts_what_it_left_alive_not_what_the_allocator_kept():
+    tracker = PhaseTracker(torch.device("cpu"))
+    kept = []
+    with tracker.phase("before", 0):
+        pass
+    with tracker.phase("keeps", 0):
+        kept.append(torch.ones(8 * MIB, dtype=torch.uint8))
+        torch.ones(64 * MIB, dtype=torch.uint8)  # made and freed inside the phase
+    with tracker.phase("frees", 0):
+        kept.clear()
+    before, keeps, frees = (s["live_end_bytes"] for s in tracker.samples)
+    assert keeps - before == pytest.approx(8 * MIB, abs=MIB)
+    assert frees - keeps == pytest.approx(-8 * MIB, abs=MIB)
+
+
 def _observe(tracker: StabilityTracker, steps: int, nonfinite_at=(), skipped_at=()):
     for step in range(steps):
         loss = float("nan") if step in nonfinite_at else 1.0

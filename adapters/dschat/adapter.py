@@ -63,6 +63,13 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         role = "reward" if stage == "rm" else "actor"  # step 3 keeps the RLHF-trained actor
         module = self.engines[role].module
         path = os.path.join(directory, f"{role}.pt")
+        if self.spec.zero == 3:
+            # The RM's closing evaluation is a forward without a backward: ZeRO-3's prefetcher, following the
+            # trace of the training steps, has fetched the backward's parameters, which stay in flight and
+            # refuse GatheredParameters ("Cannot partition a param in flight"). Releasing them first is what
+            # the engine offers (empty_partition_cache); upstream's save_zero_three_model skips in-flight
+            # parameters in its gather list instead.
+            self.engines[role].empty_partition_cache()
         gather = (
             self.ds.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
             if self.spec.zero == 3 else nullcontext()

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from bench.collect import collect
 from bench.record import utc_now
-from bench.report import claims, decision, differences, plots, render, tables
+from bench.report import claims, decision, differences, plots, render, soak, tables
 
 GIB = 1024.0**3
 
@@ -49,8 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     report = render.Report(
         collection=collection,
         tables=tables.all_tables(collection.rows, collection.cells)
-        + [differences.differences_table(collection.rows, collection.cells)],
-        plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots")),
+        + [differences.differences_table(collection.rows, collection.cells)]
+        + soak.soak_table(collection.rows, collection.records),
+        plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))
+        + soak.soak_figure(collection.rows, collection.records, os.path.join(out, "plots")),
         tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),
         claims=claims.check_all(collection.rows, collection.records, collection.cells),
         caveat=claims.caveat(collection.rows, collection.records),

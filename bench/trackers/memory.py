@@ -52,6 +52,24 @@ def _release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                      "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def malloc_live_bytes() -> int | None:
+    """Bytes malloc has handed out and not had back (glibc mallinfo2: uordblks in its arenas + hblkhd mmapped):
+    the host's live allocations, torch's CPU tensors among them -- what RSS shows minus memory freed but still
+    cached by the allocator. None off glibc (or before 2.33)."""
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = _MallInfo2
+    info = mallinfo2()
+    return int(info.uordblks + info.hblkhd)
+
+
 class _RssSampler:
     def __init__(self, interval_s: float = 0.005) -> None:
         self._interval = interval_s
@@ -84,6 +102,9 @@ class MemoryReading:
     host_peak_bytes: int
     allocated_peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None
+    # live allocations at the phase's end (CUDA: allocated; CPU: malloc's, see malloc_live_bytes): what the
+    # phase left alive, free of the allocator's caching; soak runs use it to find the phase a leak is in
+    live_end_bytes: int | None = None
 
 
 class _HostPeak:
@@ -145,12 +166,15 @@ class MemoryTracker:
     def stop(self) -> MemoryReading:
         host_peak, host_end = self._host.stop()
         if self.device.type != "cuda":
-            return MemoryReading(peak_bytes=host_peak, end_bytes=host_end, host_peak_bytes=host_peak)
+            return MemoryReading(peak_bytes=host_peak, end_bytes=host_end, host_peak_bytes=host_peak,
+                                 live_end_bytes=malloc_live_bytes())
         torch.cuda.synchronize(self.device)
         allocated = torch.cuda.max_memory_allocated(self.device)
+        end = torch.cuda.memory_allocated(self.device)
         return MemoryReading(
             peak_bytes=allocated,
-            end_bytes=torch.cuda.memory_allocated(self.device),
+            end_bytes=end,
+            live_end_bytes=end,
             host_peak_bytes=host_peak,
             allocated_peak_bytes=allocated,
             reserved_peak_bytes=torch.cuda.max_memory_reserved(self.device),
