@@ -173,6 +173,15 @@ class Adapter(ABC):
         """Write the stage's trained model as a checkpoint the next stage loads; returns the file."""
 
     @abstractmethod
+    def save_checkpoint(self, stage: str, directory: str) -> None:
+        """Every trained model's weights and optimizer states into `directory`, through the framework's own
+        checkpoint call (collective: every rank calls it). Each rank's random states are the core's."""
+
+    @abstractmethod
+    def load_checkpoint(self, stage: str, directory: str) -> None:
+        """What save_checkpoint wrote, into the models and optimizers setup() built."""
+
+    @abstractmethod
     def params(self) -> dict[str, ParamCounts]:
         """Parameter counts per role of the current stage."""
 

@@ -16,7 +16,8 @@ from typing import Any
 
 from bench.launcher import launch_stage, remove_torn_writes
 from bench.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
-from bench.spec import DebugSpec, LauncherSpec, RunSpec
+from bench.spec import CheckpointSpec, DebugSpec, LauncherSpec, RunSpec
+from bench.sweep import read_record
 from bench.trend import soak_trends
 
 log = logging.getLogger(__name__)
@@ -28,7 +29,7 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     cheap settings so that every PPO configuration of a sweep scores against the same RM."""
     return spec.replace(
         stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, lr=None,
-        plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(),
+        plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(), checkpoint=CheckpointSpec(), resume=False,
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )
@@ -114,7 +115,17 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
                           harness_extension=registry.options_class(spec.framework).harness_extensions(spec))
     record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}
+    # resume=true: stages the interrupted run finished are kept as they were; the first unfinished one
+    # continues from its last complete checkpoint (the worker finds it)
+    previous = read_record(record_path) if spec.resume else None
+    kept = {name: StageRecord(**stage) for name, stage in ((previous or {}).get("stages") or {}).items()
+            if stage.get("status") == "ok" and stage.get("checkpoint")}
     for stage in spec.stages:
+        if stage in kept:
+            record.stages[stage] = kept[stage]
+            init[stage] = kept[stage].checkpoint
+            log.info("stage %s: kept from the interrupted run (resume=true)", stage)
+            continue
         if stage == "ppo" and "rm" not in init:
             prerequisite = prerequisite_rm(spec, cache_dir, echo)
             record.prerequisites["rm"] = prerequisite

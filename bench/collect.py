@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.record import PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
+from bench.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
@@ -25,7 +25,8 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
-ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "debug.leak_mib_per_step": 0, "debug.leak_phase": "training"}
+ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "debug.leak_mib_per_step": 0, "debug.leak_phase": "training",
+              "checkpoint.every": 0, "checkpoint.async": False, "resume": False}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -227,9 +228,9 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     losses = learning.get("loss_curve") or []
     row["loss_start"], row["loss_end"] = (_number(losses[0]), _number(losses[-1])) if losses else (None, None)
     row["model_state_bytes_rank0"] = _model_state_rank0(result.get("model_state") or {})
-    # the RM's evaluation runs outside the step loop; every other timed phase is part of a step
-    step_phases = [row[k] for k in row if k.startswith("time_s_per_step_") and k != "time_s_per_step_evaluation"
-                   and row[k] is not None]
+    # the RM's evaluation and checkpoint saves run outside the steps; every other timed phase is part of one
+    step_phases = [row[k] for k in row if k.startswith("time_s_per_step_")
+                   and k.removeprefix("time_s_per_step_") not in OUTSIDE_STEP and row[k] is not None]
     row["step_time_s"] = sum(step_phases) if step_phases else None
     replicas = (row["nproc"] or 1) // ((row["tp"] or 1) * (row["pp"] or 1))
     row["samples_per_s_step"] = (row["batch"] * replicas / row["step_time_s"]
@@ -242,6 +243,15 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                 if stage == "ppo" and row["step_time_s"] and training is not None else None)
     row["samples_per_s_one_pass"] = row["batch"] * replicas / one_pass if one_pass and row["batch"] else None
     row["wall_time_s"] = _number(result.get("wall_time_s"))
+    saves = (result.get("checkpoints") or {}).get("saves") or []
+    stalls = [s["stall_s"] for s in saves if s.get("stall_s") is not None]
+    writes = [s["background_write_s"] for s in saves if s.get("background_write_s") is not None]
+    row["checkpoint_mode"] = saves[0]["mode"] if saves else None
+    row["checkpoint_saves"] = len(saves) or None
+    row["checkpoint_stall_s"] = statistics.median(stalls) if stalls else None  # per save
+    row["checkpoint_write_s"] = statistics.median(writes) if writes else None
+    row["checkpoint_bytes"] = max((s.get("bytes_written") or 0 for s in saves), default=None) or None
+    row["resumed_from_step"] = result.get("resumed_from_step")
     step_times = [t for t in throughput.get("step_times_s") or [] if isinstance(t, (int, float))]
     row["timed_steps"] = len(step_times) or None
     row["step_time_min_s"] = min(step_times) if step_times else None
@@ -250,7 +260,7 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     # rank 0's TFLOP per step (each phase's rate x its time on rank 0) over the step time of the slowest rank
     tflop = sum(entry["tflops_per_s_per_rank"][0] * entry["time_s_per_step_per_rank"][0]
                 for phase, entry in (throughput.get("phases") or {}).items()
-                if phase != "evaluation" and entry.get("tflops_per_s_per_rank"))
+                if phase not in OUTSIDE_STEP and entry.get("tflops_per_s_per_rank"))
     row["tflops_per_s_rank0"] = tflop / row["step_time_s"] if tflop and row["step_time_s"] else None
     peak = device_peak_tflops(record.get("environment") or {})
     row["mfu"] = row["tflops_per_s_rank0"] / peak if peak and row["tflops_per_s_rank0"] else None

@@ -116,7 +116,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     log_path = os.path.join(stage_dir, "worker.log")
     start = time.perf_counter()
     failure = None
-    with open(log_path, "wb") as log:
+    with open(log_path, "ab" if spec.resume else "wb") as log:  # a resumed stage keeps the killed run's log
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo), daemon=True)

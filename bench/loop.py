@@ -6,6 +6,7 @@ way whatever the framework; the adapter's outputs feed the stability tracker and
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter, Rollout, TrainOutput
+from bench.checkpoint import Checkpointer, latest_complete, set_rng_state
 from bench.data import SyntheticData
 from bench.flops import Attention, phase_flops
 from bench.models import ParamCounts
@@ -74,6 +76,7 @@ class StageLoop:
         self._counts: dict[str, ParamCounts] = {}
         self._attention: dict[str, Attention] = {}
         self._leak: list[torch.Tensor] = []
+        self.resumed_from: int | None = None  # steps done by the checkpoint this stage resumed from
 
     def _measure(self, phase: str, step: int, work: Callable[[], Any],
                  context: float | Callable[[Any], float] | None = None):
@@ -108,23 +111,44 @@ class StageLoop:
             partial["stability"] = self.stability.summary()
         return partial
 
-    def run(self, stage: str, init: dict[str, str]) -> dict[str, Any]:
+    def _resume(self, stage: str, checkpoints: str) -> int:
+        """Load the last complete checkpoint and this rank's random states; the steps it had done."""
+        found = latest_complete(checkpoints)
+        if found is None:
+            return 0
+        steps_done, directory = found
+        self.adapter.load_checkpoint(stage, directory)
+        rng = os.path.join(directory, f"rng-rank{self.adapter.ctx.rank}.pt")
+        if not os.path.isfile(rng):
+            raise RuntimeError(f"{directory} holds no random states of rank {self.adapter.ctx.rank}: it was "
+                               "written by fewer ranks; resume with the launcher.nproc it ran with")
+        set_rng_state(torch.load(rng, weights_only=False))
+        self.resumed_from = steps_done
+        return steps_done
+
+    def run(self, stage: str, init: dict[str, str], checkpoints: str | None = None) -> dict[str, Any]:
+        """`checkpoints`: the directory of this stage's checkpoints (saved every checkpoint.every steps,
+        resumed from with spec.resume)."""
         self._roles = self.adapter.phase_roles[stage]
         with self.tracker.phase("init"):
             self.adapter.setup(stage, init)
+            first = self._resume(stage, checkpoints) if self.spec.resume and checkpoints else 0
+        every = self.spec.checkpoint.every if checkpoints else 0
+        checkpointer = Checkpointer(checkpoints, every, self.spec.checkpoint.background, self.adapter.ctx.rank,
+                                    lambda directory: self.adapter.save_checkpoint(stage, directory)) if every else None
         self._counts = self.adapter.params()
         self._attention = self.adapter.attention()
         # What is alive at the moments that set the experience peak (first step only; armed after setup).
         probe = LiveTensorProbe(self.adapter.probe_points()) if stage == "ppo" else None
         self.stability = StabilityTracker(self.spec.stability.stop_after_nonfinite,
                                           self.spec.stability.skip_storm_len, self.spec.stability.skip_rate_storm)
-        if stage == "rm":
-            self.learning["accuracy_start"] = self._rm_eval(step=-1)
+        if stage == "rm":  # a resumed RM has trained already: no "before training" accuracy
+            self.learning["accuracy_start"] = self._rm_eval(step=-1) if not first else None
         n_steps = self.spec.steps[stage]
         for observer in self.observers:
             observer.start(stage, n_steps)
         device = self.tracker.device
-        for step in range(n_steps):
+        for step in range(first, n_steps):
             try:
                 record = self._step(stage, step)
             except Exception as err:  # the engine giving up on fp16 is a measured outcome, not a crash
@@ -142,6 +166,11 @@ class StageLoop:
                     observer.advance(record)
             if any_rank(stop, device):
                 break
+            if checkpointer is not None and checkpointer.due(step + 1):
+                with self.tracker.phase("checkpoint", step):
+                    checkpointer.save(step + 1)
+        if checkpointer is not None:
+            checkpointer.close()  # the last overlapped writes: their wait is in the last save's entry
         for observer in self.observers:
             observer.stop()
         if stage == "rm":
@@ -156,6 +185,8 @@ class StageLoop:
             "diverged_any_rank": any_rank(summary["classification"] == "diverged", device),
             "steps": self.steps,
             "learning": self.learning,
+            "resumed_from_step": self.resumed_from,
+            "checkpoints": checkpointer.saves if checkpointer is not None else [],
         }
 
     def _rm_eval(self, step: int) -> float:

@@ -24,8 +24,11 @@ STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")
 # another is an OOM (and the sweep's OOM back-stop fires).
 STATUS_PRECEDENCE = ("oom", "nan", "timeout", "unsupported", "error")
 _CLASS_ORDER = ("stable", "recovered", "skip-storm", "diverged")
-PHASE_ORDER = ("imports", "init", "onload", "generation", "experience", "offload", "training", "evaluation")
+PHASE_ORDER = ("imports", "init", "onload", "generation", "experience", "offload", "training", "checkpoint",
+               "evaluation")
 SETUP_PHASES = ("imports", "init")  # run once per stage: time and memory, no per-step throughput
+# Timed, but not part of a step's work: the RM's evaluation, and checkpoint saves (their time is the stall)
+OUTSIDE_STEP = ("checkpoint", "evaluation")
 _NON_FINITE = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf")}
 
 
@@ -81,6 +84,8 @@ class StageRecord:
     live_tensors: dict[str, Any] = field(default_factory=dict)
     cut_short: dict[str, Any] | None = None
     checkpoint: str | None = None
+    checkpoints: dict[str, Any] = field(default_factory=dict)  # saves during the stage (checkpoint.every)
+    resumed_from_step: int | None = None  # steps done by the checkpoint this stage resumed from (resume=true)
 
 
 @dataclass
@@ -302,7 +307,7 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             "samples_per_s_global": sum(p["samples"] for p in _one_per_replica(per_rank)) / slowest,
             "tflops_per_s_per_rank": [p["flops"] / p["time_s"] / 1e12 for p in per_rank],
         }
-    step_phases = [p for p in phases if p not in (*SETUP_PHASES, "evaluation")]
+    step_phases = [p for p in phases if p not in (*SETUP_PHASES, *OUTSIDE_STEP)]
     total = sum(phases[p]["time_s_per_step"] for p in step_phases)
     return {
         "time_method": ranks[0].get("time_method"),
@@ -315,7 +320,7 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
         "share_of_step_time": {p: phases[p]["time_s_per_step"] / total for p in step_phases} if total else {},
         "step_times_s": _step_times(ranks, warmup),
         "step_times_definition": ("per measured step: the slowest rank's time summed over the step's phases "
-                                  "(setup and the RM's evaluation excluded)"),
+                                  "(setup, the RM's evaluation and checkpoint saves excluded)"),
     }
 
 
@@ -325,7 +330,7 @@ def _step_times(ranks: list[dict[str, Any]], warmup: int) -> list[float]:
     for r in ranks:
         steps: dict[int, float] = {}
         for s in r.get("phase_samples", []):
-            if s["phase"] in (*SETUP_PHASES, "evaluation") or s.get("step") is None or s["step"] < warmup:
+            if s["phase"] in (*SETUP_PHASES, *OUTSIDE_STEP) or s.get("step") is None or s["step"] < warmup:
                 continue
             steps[s["step"]] = steps.get(s["step"], 0.0) + s["time_s"]
         per_rank.append(steps)
@@ -387,6 +392,32 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
     return learning
 
 
+def _checkpoints(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each save of the stage: its stall (the `checkpoint` phase, max over ranks), the bytes written (rank 0,
+    all ranks' files), and for overlapped saves the background write time and any wait for it."""
+    saves = []
+    for i, entry in enumerate(ranks[0].get("checkpoints") or []):
+        step = entry["steps_done"] - 1
+        stalls = [s["time_s"] for r in ranks for s in r.get("phase_samples", [])
+                  if s["phase"] == "checkpoint" and s.get("step") == step]
+        merged = {"steps_done": entry["steps_done"], "mode": entry["mode"],
+                  "stall_s": max(stalls) if stalls else None, "bytes_written": entry.get("bytes_written")}
+        for key in ("waited_for_writes_s", "background_write_s"):
+            values = [(r.get("checkpoints") or [])[i].get(key) for r in ranks if i < len(r.get("checkpoints") or [])]
+            values = [v for v in values if v is not None]
+            if values:
+                merged[key] = max(values)
+        saves.append(merged)
+    if not saves:
+        return {}
+    return {"saves": saves, "method": (
+        "stall_s: time of the `checkpoint` phase after the save's step (max over ranks): the framework's save "
+        "call with its writes (sync) or with host copies of what it writes (async), plus any wait for the "
+        "previous save's writes; background_write_s: the writer thread's time for this save (async); "
+        "waited_for_writes_s: how long completing it waited for that thread; bytes_written: the complete "
+        "checkpoint directory (every rank's files)")}
+
+
 def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time_s: float,
                  failure: dict[str, Any] | None = None) -> StageRecord:
     """Merge the per-rank results of one stage. `failure` is the launcher's view when ranks are missing
@@ -428,4 +459,6 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     if cut:
         record.cut_short = {"ranks": cut, "meaning": "ranks stopped by SIGTERM; figures cover the steps done"}
     record.checkpoint = ranks[0].get("checkpoint")
+    record.checkpoints = _checkpoints(ranks)
+    record.resumed_from_step = ranks[0].get("resumed_from_step")
     return record

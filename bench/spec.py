@@ -47,6 +47,21 @@ def require_data_parallel_only(spec: RunSpec, framework: str, why: str) -> None:
         raise UnsupportedError(f"{framework} {why} (tp={spec.tp}, pp={spec.pp})")
 
 
+def checkpoint_extensions(spec: RunSpec, framework: str, upstream_saves: bool) -> list[dict[str, str]]:
+    """Checkpoint knobs a framework's own scripts cannot run: saving mid-run and resuming where its scripts
+    save only at the end, and overlapping the write with training (no framework does on the CPU)."""
+    found = []
+    if not upstream_saves and (spec.checkpoint.every or spec.resume):
+        found.append({"knob": "checkpoint.every / resume", "reason": f"{framework}'s scripts save only at the "
+                      "end and cannot resume; the harness saves and loads through the engine's own call"})
+    if spec.checkpoint.every and spec.checkpoint.background:
+        found.append({"knob": "checkpoint.async=true", "reason": "no asynchronous save that runs here (DeepSpeed's "
+                      "fast checkpoint engines need its async-I/O op, ColossalAI's use_async needs tensornvme, "
+                      "accelerate has none): the harness snapshots the framework's writes to host memory and "
+                      "writes them in a background thread"})
+    return found
+
+
 def _choice(name: str, value: Any, allowed: tuple) -> Any:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
@@ -172,6 +187,19 @@ class DebugSpec:
 
 
 @dataclass(frozen=True)
+class CheckpointSpec:
+    """`checkpoint.every` steps, the trained models' weights and optimizer states through the framework's own
+    save; `background` (config key `checkpoint.async`) writes them in a background thread."""
+
+    every: int = 0
+    background: bool = False
+
+    def __post_init__(self) -> None:
+        _int("checkpoint.every", self.every, 0)
+        _bool("checkpoint.async", self.background)
+
+
+@dataclass(frozen=True)
 class InitSpec:
     sft: str | None = None
     rm: str | None = None
@@ -210,6 +238,8 @@ class RunSpec:
     soak: bool = False
     memory_budget_gb: float | None = None
     debug: DebugSpec = field(default_factory=DebugSpec)
+    checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    resume: bool = False
     init: InitSpec = field(default_factory=InitSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -253,6 +283,7 @@ class RunSpec:
                     f"steps={steps} for {stage} leaves no measured step after warmup_steps={self.warmup_steps}"
                 )
         _bool("soak", self.soak)
+        _bool("resume", self.resume)
         if self.memory_budget_gb is not None:
             _positive_float("memory_budget_gb", self.memory_budget_gb)
         if self.soak:
@@ -300,6 +331,7 @@ class RunSpec:
         data["stability"] = StabilitySpec(**data.get("stability") or {})
         data["tags"] = tuple(data.get("tags") or ())
         data["debug"] = DebugSpec(**data.get("debug") or {})
+        data["checkpoint"] = CheckpointSpec(**data.get("checkpoint") or {})
         return cls(**data)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -344,6 +376,9 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         soak=cfg.get("soak", False),
         memory_budget_gb=cfg.get("memory_budget_gb"),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
+        checkpoint=CheckpointSpec(every=(cfg.get("checkpoint") or {}).get("every", 0),
+                                  background=(cfg.get("checkpoint") or {}).get("async", False)),
+        resume=cfg.get("resume", False),
         init=InitSpec(**dict(cfg.get("init") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),

@@ -94,7 +94,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             if spec.wandb != "off":
                 observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
         loop = StageLoop(adapter, spec, tracker, data, observers)
-        result.update(loop.run(stage, init))
+        result.update(loop.run(stage, init, os.path.join(stage_dir, "checkpoints")))
         result["notes"] = adapter.notes()
         result["upstream_defects"] = adapter.upstream_defects()
         result["computation_dtypes"] = adapter.computation_dtypes()

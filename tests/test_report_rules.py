@@ -10,7 +10,7 @@ from bench.collect import collect
 from bench.report import claims, decision, differences, plots, tables
 from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, TIE
 from bench.report.decision import Leaf
-from tests.report_records import config, record, write
+from tests.report_records import MIB, config, record, write
 
 
 def _collect(tmp_path, runs: dict[str, dict]) -> object:
@@ -282,3 +282,31 @@ def test_soak_runs_get_a_verdict_table_and_a_trend_figure(tmp_path):
     (figure,) = soak.soak_figure(c.rows, c.records, str(tmp_path / "plots"))
     assert figure.path.endswith("soak_memory.png") and "least-squares" in figure.caption
     assert soak.soak_table([r for r in c.rows if r["run"] == "plain"], c.records) == []
+
+
+# --- checkpoint stalls -----------------------------------------------------------------------------------------
+
+def test_checkpoint_stalls_compare_sync_and_async_per_cell(tmp_path):
+    from bench.report.checkpoints import checkpoint_table
+
+    def saving(mode: str, stalls: list[float], run_id: str, seed: int) -> dict:
+        data = record(config(seed=seed, checkpoint={"every": 2, "async": mode == "async"}), run_id=run_id,
+                      step_s=10.0)
+        data["stages"]["ppo"]["checkpoints"] = {"saves": [
+            {"steps_done": 2 * (i + 1), "mode": mode, "stall_s": stall, "bytes_written": 64 * MIB,
+             **({"background_write_s": 3.0} if mode == "async" else {})} for i, stall in enumerate(stalls)]}
+        return data
+
+    c = _collect(tmp_path, {"s1": saving("sync", [4.0, 6.0, 5.0], "s1", 1), "s2": saving("sync", [7.0], "s2", 2),
+                            "a1": saving("async", [0.5, 0.7, 0.6], "a1", 1), "plain": record(config(), run_id="plain")})
+    (table,) = checkpoint_table(c.rows, c.cells)
+    column = {name: i for i, name in enumerate(table.header)}
+    rows = {row[column["mode"]]: row for row in table.rows}
+    assert set(rows) == {"sync", "async"}  # the run without checkpoints is no row
+    # sync: run medians 5.0 and 7.0 -> median 6.0 +-1.0; stall over a 10 s step: 60 % +-10
+    assert rows["sync"][column["stall s per save"]] == "6.000 ±1.000 (n=2)"
+    assert rows["sync"][column["stall / step %"]] == "60.0 ±10.0 (n=2)"
+    assert rows["sync"][column["saves"]] == "4" and rows["sync"][column["background write s per save"]] == "-"
+    assert rows["async"][column["stall s per save"]] == "0.600"
+    assert rows["async"][column["background write s per save"]] == "3.000"
+    assert rows["async"][column["MiB per checkpoint"]] == "64.0"

@@ -144,6 +144,22 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         dist.barrier()
         return path
 
+    def save_checkpoint(self, stage: str, directory: str) -> None:
+        """coati's save_checkpoint (coati/utils/ckpt_io.py) per trained model: the booster's sharded save of
+        the model ("modeling") and of the optimizer ("optimizer"); no LR scheduler exists here."""
+        for role, optimizer in self.optimizers.items():
+            base = os.path.join(directory, role)
+            os.makedirs(os.path.join(base, "modeling"), exist_ok=True)
+            self.boosters[role].save_model(self.models[role], os.path.join(base, "modeling"), shard=True)
+            self.boosters[role].save_optimizer(optimizer, os.path.join(base, "optimizer"), shard=True)
+
+    def load_checkpoint(self, stage: str, directory: str) -> None:
+        """coati's load_checkpoint: the booster loads the model, then the optimizer."""
+        for role, optimizer in self.optimizers.items():
+            base = os.path.join(directory, role)
+            self.boosters[role].load_model(self.models[role], os.path.join(base, "modeling"))
+            self.boosters[role].load_optimizer(optimizer, os.path.join(base, "optimizer"))
+
     def params(self) -> dict[str, ParamCounts]:
         return dict(self._counts)
 

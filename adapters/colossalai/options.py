@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.spec import RunSpec, SpecError, UnsupportedError
+from bench.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions
 
 OPTIMIZERS = ("hybrid_adam", "torch_adamw")
 PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
@@ -165,7 +165,7 @@ class ColossalOptions:
                           "reason": "train_ppo.py's --plugin choices are gemini, gemini_auto, zero2, zero2_cpu, 3d"})
         if options.optimizer == "torch_adamw":
             found.append({"knob": "framework.optimizer=torch_adamw", "reason": "ColossalChat always builds HybridAdam"})
-        return found
+        return found + checkpoint_extensions(spec, "ColossalChat", upstream_saves=True)
 
     @classmethod
     def validate(cls, spec: RunSpec) -> ColossalOptions:

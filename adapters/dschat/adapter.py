@@ -83,6 +83,20 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         torch.distributed.barrier()
         return path
 
+    def _trained(self) -> dict[str, Any]:
+        return {role: engine for role, engine in self.engines.items() if engine.optimizer is not None}
+
+    def save_checkpoint(self, stage: str, directory: str) -> None:
+        """DeepSpeed's engine.save_checkpoint per trained engine (DS-Chat itself saves only at the end)."""
+        for role, engine in self._trained().items():
+            engine.save_checkpoint(os.path.join(directory, role), tag="state", save_latest=False)
+
+    def load_checkpoint(self, stage: str, directory: str) -> None:
+        for role, engine in self._trained().items():
+            path, _ = engine.load_checkpoint(os.path.join(directory, role), tag="state")
+            if path is None:
+                raise RuntimeError(f"no DeepSpeed checkpoint of {role} in {directory}")
+
     def params(self) -> dict[str, ParamCounts]:
         return {role: count_params(engine.module) for role, engine in self.engines.items()}
 

@@ -32,6 +32,13 @@ from bench.spec import RunSpec, UnsupportedError
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 
+# A resumed trlx PPO run loses state its save never wrote (see upstream_defects).
+RESUME_DEFECT = "trlx-save-state-drops-running-moments-and-kl-controller"
+RESUME_DEFECT_WHERE = ("trlx accelerate_base_trainer.py save()/load() = accelerator.save_state/load_state; "
+                       "accelerate_ppo_trainer.py running_moments and kl_ctl are plain attributes, never registered "
+                       "for checkpointing")
+
+
 class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
     phase_roles = {
         "sft": {"training": ("actor",)},
@@ -81,6 +88,7 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         self._counts: dict[str, ParamCounts] = {}
         self._dtypes: dict[str, str] = {}
         self._moments = RunningMoments()
+        self._resumed_ppo = False
         self._kl_coef = self.options.ppo.init_kl_coef
 
     def _engine_note(self) -> str:
@@ -122,6 +130,27 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
                 os.replace(path + ".tmp", path)
         self.accelerator.wait_for_everyone()
         return path
+
+    def save_checkpoint(self, stage: str, directory: str) -> None:
+        """trlx's save(): accelerator.save_state (models, optimizer, random states; DeepSpeed's
+        save_checkpoint underneath at ZeRO > 0). Overlapped with training, weights go through torch.save:
+        safetensors, accelerate's default, has no hook to snapshot them."""
+        self.accelerator.save_state(directory, safe_serialization=not self.spec.checkpoint.background)
+
+    def load_checkpoint(self, stage: str, directory: str) -> None:
+        """trlx's load(): accelerator.load_state. Like trlx, it does not restore the reward-scaling running
+        moments nor the KL controller: they were never saved (a finding, see upstream_defects)."""
+        self.accelerator.load_state(directory)
+        self._resumed_ppo = stage == "ppo"
+
+    def upstream_defects(self) -> list[dict[str, str]]:
+        if not self._resumed_ppo:
+            return []
+        return [{"id": RESUME_DEFECT, "where": RESUME_DEFECT_WHERE,
+                 "effect": ("a resumed PPO run restarts the running mean and std that scale its rewards "
+                            "(scale_reward=running) and an adaptive KL coefficient: its steps after the resume are "
+                            "not those of an uninterrupted run"),
+                 "handling": "run as upstream"}]
 
     def params(self) -> dict[str, ParamCounts]:
         return dict(self._counts)

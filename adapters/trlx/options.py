@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
+from bench.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, require_data_parallel_only
 
 REFERENCES = ("auto", "hydra", "full", "peft")
 SCALE_REWARD = ("ignored", "running", "ref")
@@ -98,7 +98,7 @@ class TrlxOptions:
         found = []
         if spec.grad_ckpt:
             found.append({"knob": "grad_ckpt=true", "reason": "trlx's trainers have no gradient-checkpointing knob"})
-        return found
+        return found + checkpoint_extensions(spec, "trlx", upstream_saves=True)
 
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:
