@@ -17,7 +17,7 @@ import torch
 from bench.data import PreferenceBatch, PromptBatch, SFTBatch
 from bench.flops import Attention
 from bench.models import ParamCounts, model_config
-from bench.spec import RunSpec
+from bench.spec import RunSpec, UnsupportedError
 
 
 @dataclass(frozen=True)
@@ -172,14 +172,14 @@ class Adapter(ABC):
     def save(self, stage: str, directory: str) -> str:
         """Write the stage's trained model as a checkpoint the next stage loads; returns the file."""
 
-    @abstractmethod
     def save_checkpoint(self, stage: str, directory: str) -> None:
         """Every trained model's weights and optimizer states into `directory`, through the framework's own
         checkpoint call (collective: every rank calls it). Each rank's random states are the core's."""
+        raise UnsupportedError(f"{type(self).__name__} cannot save checkpoints during a stage")
 
-    @abstractmethod
     def load_checkpoint(self, stage: str, directory: str) -> None:
         """What save_checkpoint wrote, into the models and optimizers setup() built."""
+        raise UnsupportedError(f"{type(self).__name__} cannot resume from a checkpoint")
 
     @abstractmethod
     def params(self) -> dict[str, ParamCounts]:

@@ -82,9 +82,8 @@ def test_a_partial_checkpoint_is_never_the_one_resumed_from(tmp_path):
 TORCH_ADAMW = "framework.optimizer=torch_adamw"
 
 
-# trlx's save and load: the resume-defect test below in CI; its overlapped save here in the slow tier
 @pytest.mark.engine
-@pytest.mark.parametrize("framework", ["dschat", "colossalai", pytest.param("trlx", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx"])
 def test_an_interrupted_sft_resumes_from_its_overlapped_checkpoint(run_bench, tmp_path, framework):
     """Each framework's own save and load, overlapped: 2 steps and a save, the record lost as in a kill, then
     resume=true continues at step 2 and saves again."""
@@ -154,7 +153,7 @@ def test_a_ppo_run_killed_after_its_first_checkpoint_resumes_and_matches_an_unin
             assert step[key] == pytest.approx(reference[step["step"]][key], rel=1e-4, abs=1e-6), (step["step"], key)
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # trains trlx's prerequisite RM; trlx's save and load are in CI above
 def test_a_resumed_trlx_ppo_run_is_marked_with_the_upstream_defect_it_hits(run_bench, tmp_path):
     from adapters.trlx.adapter import RESUME_DEFECT
 
