@@ -14,10 +14,12 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 
 def model_state(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None,
-                held: Callable[[torch.nn.Parameter], int] = lambda p: tensor_bytes(p.data)) -> ModelState:
+                held: Callable[[torch.nn.Parameter], int] = lambda p: tensor_bytes(p.data),
+                masters: Iterable[torch.Tensor] = ()) -> ModelState:
     """`held(param)` is what this rank keeps for one module parameter (a ZeRO-3 partition adds to it).
     Optimizer bytes are its state tensors plus master copies that are not the module's own tensors (the
-    fp32 copies of mixed precision, ZeRO's shards); `optimizer` is the innermost torch optimizer."""
+    fp32 copies of mixed precision, ZeRO's shards); `optimizer` is the innermost torch optimizer. `masters`
+    are master copies an engine keeps outside the optimizer's parameter groups between steps."""
     module_ptrs = set()
     param_bytes = trainable = accelerator = 0
     for param in parameters:
@@ -35,6 +37,8 @@ def model_state(parameters: Iterable[torch.nn.Parameter], optimizer: torch.optim
             for param in group["params"]:
                 if param.data.data_ptr() not in module_ptrs and param.numel():
                     optimizer_tensors.append(param.data)
+    counted = {t.data_ptr() for t in optimizer_tensors} | module_ptrs
+    optimizer_tensors += [t for t in masters if t.numel() and t.data_ptr() not in counted]
     optimizer_bytes = sum(tensor_bytes(t) for t in optimizer_tensors)
     accelerator += sum(tensor_bytes(t) for t in optimizer_tensors if t.device.type != "cpu")
     return ModelState(param_bytes=param_bytes, optimizer_state_bytes=optimizer_bytes, trainable_param_bytes=trainable,

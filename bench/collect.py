@@ -276,13 +276,16 @@ def _trained_params(result: dict[str, Any]) -> int | None:
     return sum((params.get(role) or {}).get("total", 0) for role in trained) or None
 
 
-BREAKDOWN_TERMS = ("baseline", "params", "optimizer", "reward_fn", "rest")
+# the first two make up the post-import baseline that growth is measured from
+BASELINE_TERMS = ("process_start", "runtime")
+BREAKDOWN_TERMS = (*BASELINE_TERMS, "params", "optimizer", "reward_fn", "rest")
 
 
 def phase_breakdown(entry: dict[str, Any], model_state: dict[str, Any]) -> dict[str, float]:
-    """One phase's peak, on the rank with the highest peak, split into baseline (process start + runtime),
-    parameters, optimizer state (the model state split by the engines' own param/optimizer byte counts),
-    the trlx reward function, and the rest (activations, gradients, caches, logits, buckets, slack)."""
+    """One phase's peak, on the rank with the highest peak, split into the baseline's two terms (process start,
+    the engine runtime's imports), parameters, optimizer state (the model state split by the engines' own
+    param/optimizer byte counts), the trlx reward function, and the rest (activations, gradients, caches, logits,
+    buckets, slack)."""
     peaks = entry.get("peak_bytes_per_rank") or []
     if not any(p is not None for p in peaks):
         return {}
@@ -295,7 +298,7 @@ def phase_breakdown(entry: dict[str, Any], model_state: dict[str, Any]) -> dict[
     params = sum(((r.get("param_bytes_per_rank") or [])[rank:rank + 1] or [0])[0] or 0 for r in roles)
     optim = sum(((r.get("optimizer_state_bytes_per_rank") or [])[rank:rank + 1] or [0])[0] or 0 for r in roles)
     share = params / (params + optim) if params + optim else 1.0
-    return {"baseline": parts["process_start_bytes"] + (parts.get("runtime_bytes") or 0),
+    return {"process_start": parts["process_start_bytes"], "runtime": parts.get("runtime_bytes") or 0,
             "params": state * share, "optimizer": state * (1 - share),
             "reward_fn": parts.get("reward_fn_bytes") or 0, "rest": parts.get("rest_bytes") or 0}
 

@@ -145,6 +145,11 @@ def test_zero3_on_two_ranks_halves_parameter_and_optimizer_memory_per_rank(run_b
     assert len(state_two["param_bytes_per_rank"]) == 2
     for key in ("param_bytes_per_rank", "optimizer_state_bytes_per_rank"):
         assert max(state_two[key]) < 0.6 * state_one[key][0], (key, state_one[key], state_two[key])
+    # fp32 master + two Adam moments, 12 bytes per trained parameter, shared by the ranks: ZeRO-3 keeps the
+    # masters outside its optimizer's groups between steps, and they count all the same
+    trained = one["stages"]["sft"]["params"]["actor"]["trainable"]
+    assert state_one["optimizer_state_bytes_per_rank"][0] >= 12 * trained
+    assert min(state_two["optimizer_state_bytes_per_rank"]) >= 12 * trained // 2
     assert len(two["stages"]["sft"]["memory"]["phases"]["training"]["peak_bytes_per_rank"]) == 2
     assert two["environment"]["world_size"] == 2
 

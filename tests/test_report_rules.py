@@ -242,6 +242,15 @@ def test_a_memory_difference_beyond_the_spread_names_its_phase_and_term(tmp_path
                                  "colossalai +600 MiB in training", "rest", "+600 MiB"]
 
 
+def test_the_breakdown_keeps_process_start_and_engine_runtime_apart(tmp_path):
+    # record(): process start 300 MiB, runtime 100 MiB, growth 1000 = rest 400 + state 600 (a quarter parameters)
+    c = _collect(tmp_path, {"d": record(config(), run_id="d", growth_mib=1000, rest_mib=400)})
+    terms = {t: c.rows[0][f"{t}_training_bytes"] / MIB
+             for t in ("process_start", "runtime", "params", "optimizer", "reward_fn", "rest")}
+    assert terms == {"process_start": 300, "runtime": 100, "params": 150, "optimizer": 450, "reward_fn": 0,
+                     "rest": 400}
+
+
 def test_the_caveat_states_scale_machine_and_repeats(tmp_path):
     c = _two_frameworks(tmp_path, [5.0, 5.0], [6.0])
     text = claims.caveat(c.rows, c.records)

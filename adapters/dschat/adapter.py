@@ -17,13 +17,14 @@ import torch
 
 from adapters.base import Adapter, ModelState, RankContext
 from adapters.deepspeed_cpu import allow_fp16
+from adapters.deepspeed_state import held_bytes, zero3_masters
 from adapters.dschat import fp16_zero0
 from adapters.dschat.engines import Engines
 from adapters.dschat.experience import ExperienceMaker
 from adapters.dschat.lora import fused_state_dict
 from adapters.dschat.options import DSChatOptions
 from adapters.dschat.update import Update
-from adapters.state_bytes import model_state, tensor_bytes
+from adapters.state_bytes import model_state
 from bench.models import ParamCounts, count_params
 from bench.spec import RunSpec
 
@@ -124,12 +125,7 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
             torch.distributed.destroy_process_group()
 
 
-def _held_bytes(param: torch.nn.Parameter) -> int:
-    """A ZeRO-3 partition (`ds_tensor`) plus any gathered or persistent copy."""
-    return tensor_bytes(param.data) + (tensor_bytes(param.ds_tensor) if hasattr(param, "ds_tensor") else 0)
-
-
 def _engine_state(engine) -> ModelState:
     wrapper = engine.optimizer
     inner = getattr(wrapper, "optimizer", wrapper) if wrapper is not None else None
-    return model_state(engine.module.parameters(), inner, held=_held_bytes)
+    return model_state(engine.module.parameters(), inner, held=held_bytes, masters=zero3_masters(wrapper))

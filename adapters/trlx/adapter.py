@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from adapters.base import Adapter, ModelState, RankContext
 from adapters.deepspeed_cpu import allow_fp16
-from adapters.state_bytes import model_state, tensor_bytes
+from adapters.deepspeed_state import held_bytes, zero3_masters
+from adapters.state_bytes import model_state
 from adapters.trlx.engines import Engines
 from adapters.trlx.experience import ExperienceMaker, RunningMoments
 from adapters.trlx.models import PolicyWithValueHead
@@ -160,7 +161,8 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         inner = self.optimizer.optimizer if hasattr(self.optimizer, "optimizer") else self.optimizer
         if self.deepspeed:
             inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
-        states = {self.role: model_state(self._unwrapped.parameters(), inner, held=_held_bytes)}
+        masters = zero3_masters(engine.optimizer) if self.deepspeed else ()
+        states = {self.role: model_state(self._unwrapped.parameters(), inner, held=held_bytes, masters=masters)}
         if self.ref_model is not None:
             states["ref"] = model_state(self.ref_model.parameters(), None)
         if self.reward_model is not None:  # its own line in the memory breakdown
@@ -200,10 +202,6 @@ def _check_reward_device(device: str | None) -> None:
     if index >= visible:
         raise UnsupportedError(f"framework.reward_device={device} but this machine shows {visible} CUDA device(s); "
                                "use null (rank 0's training device), cpu, or an existing cuda:N")
-
-
-def _held_bytes(param: torch.nn.Parameter) -> int:
-    return tensor_bytes(param.data) + (tensor_bytes(param.ds_tensor) if hasattr(param, "ds_tensor") else 0)
 
 
 def _lm_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:

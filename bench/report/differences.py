@@ -1,13 +1,13 @@
 """Where two frameworks differ in memory: for matched cells (same configuration but the framework) whose
 growth intervals over repeats do not overlap, the phase with the largest peak difference and the breakdown
-term (baseline, parameters, optimizer state, reward function, rest) that makes most of it."""
+term (parameters, optimizer state, reward function, rest) that makes most of it."""
 
 from __future__ import annotations
 
 from itertools import combinations
 from typing import Any
 
-from bench.collect import BREAKDOWN_TERMS
+from bench.collect import BASELINE_TERMS, BREAKDOWN_TERMS
 from bench.record import PHASE_ORDER, SETUP_PHASES
 from bench.report.aggregate import stat
 from bench.report.pairs import matched_sets, tied
@@ -31,7 +31,7 @@ def explain(a: str, runs_a: Rows, b: str, runs_b: Rows) -> tuple[str, str, float
     phase = max(phases, key=lambda p: abs(diffs[p]))
     # growth is measured from the baseline, so the baseline term is no part of a growth difference
     terms = {t: (_median(runs_a, f"{t}_{phase}_bytes") or 0.0) - (_median(runs_b, f"{t}_{phase}_bytes") or 0.0)
-             for t in BREAKDOWN_TERMS if t != "baseline"}
+             for t in BREAKDOWN_TERMS if t not in BASELINE_TERMS}
     term = max(terms, key=lambda t: abs(terms[t]) if (terms[t] > 0) == (diffs[phase] > 0) else 0.0)
     bigger = a if diffs[phase] > 0 else b
     return bigger, phase, abs(diffs[phase]), term, abs(terms[term])

@@ -29,7 +29,8 @@ Cells = dict[str, dict[str, Any]]
 KNOB_LABEL = {"zero": "ZeRO stage", "lora": "LoRA rank (0 = full fine-tuning)", "batch": "micro-batch per rank",
               "nproc": "ranks (GPUs)"}
 CONFIG_KEY = {"nproc": "launcher.nproc", "batch": "batch"}
-TERM_LABEL = {"baseline": "baseline (process start + engine runtime)", "params": "parameters",
+TERM_LABEL = {"process_start": "process start (torch, transformers)",
+              "runtime": "engine runtime (its imports, JIT ops, process groups)", "params": "parameters",
               "optimizer": "optimizer state (+ fp32 masters)", "reward_fn": "trlx reward function",
               "rest": "rest (activations, gradients, caches, slack)"}
 
@@ -182,7 +183,7 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
         config, chosen = _shared_configuration(rows_s, cells)
         frameworks = sorted({r["framework"] for r in chosen})
         phases = [p for p in PHASE_ORDER if p not in SETUP_PHASES and p != "evaluation"
-                  and any(r.get(f"baseline_{p}_bytes") is not None for r in chosen)]
+                  and any(r.get(f"process_start_{p}_bytes") is not None for r in chosen)]
         if not phases:
             continue
         fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(frameworks) * len(phases)), 4.2))
@@ -191,7 +192,7 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
             runs = [r for r in chosen if r["framework"] == framework]
             x += 1  # a gap between frameworks
             for phase in phases:
-                if all(r.get(f"baseline_{phase}_bytes") is None for r in runs):
+                if all(r.get(f"process_start_{phase}_bytes") is None for r in runs):
                     continue  # a phase this framework does not have (only coati shuttles models)
                 x += 1
                 bottom = 0.0
@@ -209,11 +210,12 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         figures.append(Figure(_save(fig, directory, f"memory_breakdown_{stage}"),
                               f"Where {stage}'s memory goes, per framework and phase: the phase's peak (MiB, the rank "
-                              "with the highest peak, median over repeats) stacked from 0 as baseline (process start "
-                              "+ the engine runtime's imports), parameters and optimizer state (bytes the engines "
-                              "hold, split by their own counts; read after the last step), trlx's reward function, "
-                              "and the rest (activations, gradients, caches, logits, buckets, allocator slack: the "
-                              "peak minus the others)."))
+                              "with the highest peak, median over repeats) stacked from 0 as the process start "
+                              "(torch and transformers imported), the engine runtime (its libraries, JIT ops and "
+                              "process groups: the two make up the baseline growth is measured from), parameters "
+                              "and optimizer state (bytes the engines hold, split by their own counts; read after the "
+                              "last step), trlx's reward function, and the rest (activations, gradients, caches, "
+                              "logits, buckets, allocator slack: the peak minus the others)."))
     return figures
 
 
