@@ -30,6 +30,10 @@ _ENTRIES: dict[str, AdapterEntry] = {
         options="adapters.trlx.options:TrlxOptions",
         adapter="adapters.trlx.adapter:TrlxAdapter",
     ),
+    "torch": AdapterEntry(  # the plain-PyTorch reference, the yardstick (package `reference`: not `torch`)
+        options="adapters.reference.options:ReferenceOptions",
+        adapter="adapters.reference.adapter:ReferenceAdapter",
+    ),
 }
 
 

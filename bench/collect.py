@@ -276,6 +276,10 @@ def _trained_params(result: dict[str, Any]) -> int | None:
     return sum((params.get(role) or {}).get("total", 0) for role in trained) or None
 
 
+# The plain-PyTorch reference (adapters/reference): measured like a framework, shown as the yardstick, never
+# a verdict (no one deploys "no framework" for RLHF without writing one).
+YARDSTICK = "torch"
+
 # the first two make up the post-import baseline that growth is measured from
 BASELINE_TERMS = ("process_start", "runtime")
 BREAKDOWN_TERMS = (*BASELINE_TERMS, "params", "optimizer", "reward_fn", "rest")

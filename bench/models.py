@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, PretrainedConfig
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2Model, PretrainedConfig
 
 from bench.spec import ModelSpec
 
@@ -68,6 +68,14 @@ def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
             )
         return loaded
     return GPT2LMHeadModel(gpt2_config(model))
+
+
+def build_backbone(model: ModelSpec) -> torch.nn.Module:
+    """The transformer without its LM head (reward models and critics put a value head on it), random weights
+    or the local checkpoint at model.path."""
+    if model.path:
+        return AutoModel.from_pretrained(model.path, local_files_only=True)
+    return GPT2Model(gpt2_config(model))
 
 
 def count_params(module: torch.nn.Module) -> ParamCounts:

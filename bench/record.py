@@ -86,6 +86,7 @@ class StageRecord:
     checkpoint: str | None = None
     checkpoints: dict[str, Any] = field(default_factory=dict)  # saves during the stage (checkpoint.every)
     resumed_from_step: int | None = None  # steps done by the checkpoint this stage resumed from (resume=true)
+    fixed_cost: dict[str, Any] = field(default_factory=dict)  # where the time outside the steps goes
 
 
 @dataclass
@@ -418,6 +419,42 @@ def _checkpoints(ranks: list[dict[str, Any]]) -> dict[str, Any]:
         "checkpoint directory (every rank's files)")}
 
 
+FIXED_COST_METHOD = (
+    "seconds on rank 0 (time.perf_counter / the process's start time): launch = the stage's wall time minus the "
+    "longest rank lifetime (torchrun, process spawn, merging the ranks' results); process_start = from the "
+    "rank's process start to its first line of work (the interpreter, torch, transformers and the harness "
+    "imported); imports = the engine libraries, JIT ops and process groups (phase `imports`); init = models "
+    "built and wrapped in their engines (phase `init`); steps = every step's phases, warm-up included; "
+    "checkpoints = mid-stage saves; save = the stage's closing save; close = engine teardown; other = the "
+    "lifetime's remainder (data, records, progress). fixed = wall time minus steps: what a run costs whatever "
+    "its length")
+
+
+def fixed_cost(ranks: list[dict[str, Any]], wall_time_s: float) -> dict[str, Any]:
+    """Where a stage's time goes outside its steps (see FIXED_COST_METHOD); {} without rank timings."""
+    first = next((r for r in ranks if r.get("lifetime_s") is not None), None)
+    if first is None:
+        return {}
+    samples = first.get("phase_samples", [])
+
+    def phase_time(keep) -> float:
+        return sum(s.get("time_s") or 0.0 for s in samples if keep(s))
+
+    split = {
+        "launch_s": wall_time_s - max(r["lifetime_s"] for r in ranks if r.get("lifetime_s") is not None),
+        "process_start_s": first.get("process_start_s") or 0.0,
+        "imports_s": phase_time(lambda s: s["phase"] == "imports"),
+        "init_s": phase_time(lambda s: s["phase"] == "init"),
+        "steps_s": phase_time(lambda s: s.get("step") is not None and s["phase"] != "checkpoint"),
+        "checkpoints_s": phase_time(lambda s: s["phase"] == "checkpoint"),
+        "save_s": first.get("save_s") or 0.0,
+        "close_s": first.get("close_s") or 0.0,
+    }
+    split["other_s"] = first["lifetime_s"] - sum(v for k, v in split.items() if k != "launch_s")
+    split["fixed_s"] = wall_time_s - split["steps_s"]
+    return {**{k: round(v, 3) for k, v in split.items()}, "method": FIXED_COST_METHOD}
+
+
 def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time_s: float,
                  failure: dict[str, Any] | None = None) -> StageRecord:
     """Merge the per-rank results of one stage. `failure` is the launcher's view when ranks are missing
@@ -461,4 +498,5 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.checkpoint = ranks[0].get("checkpoint")
     record.checkpoints = _checkpoints(ranks)
     record.resumed_from_step = ranks[0].get("resumed_from_step")
+    record.fixed_cost = fixed_cost(ranks, wall_time_s)
     return record

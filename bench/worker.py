@@ -12,9 +12,11 @@ import json
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Any
 
+import psutil
 import torch
 
 from adapters import registry
@@ -67,7 +69,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     torch.set_num_threads(spec.launcher.threads_per_rank)
-    result: dict[str, Any] = {"rank": rank, "world_size": world, "stage": stage, "status": "ok", "error": None}
+    result: dict[str, Any] = {"rank": rank, "world_size": world, "stage": stage, "status": "ok", "error": None,
+                              "process_start_s": time.time() - psutil.Process().create_time()}
     tracker = None
     adapter = None
     loop = None
@@ -107,7 +110,9 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             )
             result["error"] = {"message": reason, "phase": "training"}
         else:
+            start = time.perf_counter()
             result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
+            result["save_s"] = time.perf_counter() - start
         result["outside_allocator"] = tracker.memory.outside_allocator()
     except BaseException as err:  # noqa: BLE001 -- every failure must become a record
         result["status"] = classify(err)
@@ -125,10 +130,12 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         if tracker is not None:
             result["phase_samples"] = tracker.samples
         if adapter is not None and "cut_short" not in result:  # a cut-short rank must not wait on its peers
+            start = time.perf_counter()
             try:
                 adapter.close()
             except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
                 result.setdefault("notes", []).append(f"close failed: {err}")
+            result["close_s"] = time.perf_counter() - start
     return result
 
 
@@ -146,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         spec = RunSpec.from_dict(json.load(f))
     init = {k: v for k, v in (("sft", args.init_sft), ("rm", args.init_rm)) if v}
     result = run_rank(spec, args.stage, args.stage_dir, init)
+    result["lifetime_s"] = time.time() - psutil.Process().create_time()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what was measured is written whatever arrives now
     write_json(os.path.join(args.stage_dir, f"rank{result['rank']}.json"), result)
     return 0

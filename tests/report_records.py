@@ -22,7 +22,7 @@ BASE_CONFIG: dict[str, Any] = {
 }
 
 
-OPTIMIZERS = {"dschat": "fused_adam", "colossalai": "hybrid_adam", "trlx": "adamw"}
+OPTIMIZERS = {"dschat": "fused_adam", "colossalai": "hybrid_adam", "trlx": "adamw", "torch": "adamw"}
 
 
 def config(**changes: Any) -> dict[str, Any]:

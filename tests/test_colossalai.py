@@ -49,7 +49,7 @@ def plain_pytorch_sft_losses(overrides: list[str], steps: int) -> list[float]:
 
 
 @pytest.mark.skipif(not ON_CPU, reason="the ddp plugin on a GPU runs TF32/cuBLAS kernels: not bitwise a CPU loop")
-def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop(run_bench):
+def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop_and_the_reference(run_bench):
     overrides = [CAI, "stage=sft", "steps=6", "launcher.device=cpu", "precision=fp32"]
     record = run_bench(*overrides)
     sft = record["stages"]["sft"]
@@ -58,6 +58,10 @@ def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop(run_bench):
     plain = plain_pytorch_sft_losses(overrides, 6)
     assert engine[-1] < engine[0]
     assert engine == pytest.approx(plain, abs=1e-4), (engine, plain)
+    # the plain-PyTorch reference (framework=torch) with coati's ddp settings: weight decay 0.1, no clipping
+    reference = run_bench("framework=torch", *overrides[1:], "framework.weight_decay=0.1", "framework.grad_clip=0",
+                          name="reference")
+    assert reference["stages"]["sft"]["learning"]["loss_curve"] == pytest.approx(engine, abs=1e-4)
     notes = " ".join(sft["notes"])
     assert "TorchDDPPlugin" in notes and "HybridAdam" in notes and "P7" in notes
 

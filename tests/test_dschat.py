@@ -191,6 +191,7 @@ def test_a_failing_run_is_a_record_not_a_crash(run_bench, tmp_path):
     assert error["phase"] == "init" and "no-weights" in error["message"]
 
 
+@pytest.mark.slow  # CI time (77 s, two fp16 runs): scripts/test_slow.sh runs it
 def test_fp16_zero0_defect_is_marked_and_the_opt_in_fix_scales_the_loss(run_bench):
     """DeepSpeed 0.19.8 never scales the fp16 ZeRO-0 loss (see adapters/dschat/fp16_zero0.py). As upstream:
     the engine's norm is the module's divided by the loss scale and clipping (at 1.0) never fires. With the

@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from bench.collect import collect
-from bench.report import claims, decision, differences, plots, tables
+from bench.report import claims, decision, differences, plots, tables, yardstick
 from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, TIE
 from bench.report.decision import Leaf
 from tests.report_records import MIB, config, record, write
@@ -184,6 +184,32 @@ def test_one_run_with_a_per_step_interval_can_decide(tmp_path):
 def test_one_run_whose_steps_spread_into_the_other_cannot_decide(tmp_path):
     leaf = _leaves(_two_frameworks(tmp_path, [5.0], [6.0], step_spread=0.3))[FULL]
     assert not leaf.decided
+
+
+def test_the_plain_pytorch_reference_is_the_yardstick_never_the_verdict(tmp_path):
+    runs = {}
+    for seed in range(3):
+        for framework, step_s in (("torch", 2.0), ("dschat", 5.0), ("colossalai", 10.0)):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", step_s=step_s + 0.1 * seed)
+    leaf = _leaves(_collect(tmp_path, runs))[FULL]
+    assert leaf.decided and leaf.verdict.startswith("dschat"), leaf.verdict  # torch is 2.5x faster
+    assert leaf.evidence[0].startswith("yardstick (torch, plain PyTorch; never a verdict)"), leaf.evidence
+
+
+def test_frameworks_are_divided_by_the_reference_run_of_the_same_seed(tmp_path):
+    runs = {}
+    for seed, dschat_s in enumerate((4.0, 4.4, 5.0)):
+        runs[f"torch{seed}"] = record(config(seed=seed, **{"framework.name": "torch"}), run_id=f"torch{seed}",
+                                      step_s=2.0, growth_mib=1000)
+        runs[f"dschat{seed}"] = record(config(seed=seed), run_id=f"dschat{seed}", step_s=dschat_s, growth_mib=1500)
+    c = _collect(tmp_path, runs)
+    (table,) = yardstick.yardstick_tables(c.rows, c.cells)
+    by_phase = {row[3]: row[4:] for row in table.rows}
+    # step time 4.0/2, 4.4/2, 5.0/2; tokens/s the inverse; growth 1500/1000 in training and in init
+    assert by_phase["training"] == ["2.20 [2.00, 2.50]", "0.45 [0.40, 0.50]", "1.50 [1.50, 1.50]", "3"]
+    assert by_phase["init"] == ["-", "-", "1.50 [1.50, 1.50]", "3"]
+    assert yardstick.yardstick_tables([r for r in c.rows if r["framework"] != "torch"], c.cells) == []
 
 
 def test_partial_freezing_is_not_full_fine_tuning(tmp_path):

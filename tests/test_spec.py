@@ -154,7 +154,7 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, trlx"]),
+        (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, torch, trlx"]),
         (["-m", "framework=dschat,foo"], ["framework='foo' is not allowed"]),
         (["stage=train"], ["stage='train' is not allowed", "pipeline, ppo, rm, sft"]),
         (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, tiny"]),

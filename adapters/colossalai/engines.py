@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from adapters.colossalai.lora import convert_to_lora
-from adapters.colossalai.models import Critic, RewardModel, build_backbone
-from bench.models import build_causal_lm, count_params, set_dropout
+from adapters.colossalai.models import Critic, RewardModel
+from bench.models import build_backbone, build_causal_lm, count_params, set_dropout
 
 
 class Engines:

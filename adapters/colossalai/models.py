@@ -7,17 +7,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from bench.models import gpt2_config
-from bench.spec import ModelSpec
-
-
-def build_backbone(model: ModelSpec) -> nn.Module:
-    from transformers import AutoModel, GPT2Model
-
-    if model.path:
-        return AutoModel.from_pretrained(model.path, local_files_only=True)
-    return GPT2Model(gpt2_config(model))
-
 
 class _ValueModel(nn.Module):
     def __init__(self, backbone: nn.Module) -> None:

@@ -18,7 +18,7 @@ import torch
 from adapters.dschat import ds_config, fp16_zero0
 from adapters.dschat.lora import convert_to_lora, only_optimize_lora
 from adapters.dschat.reward_model import RewardModel
-from bench.models import build_causal_lm, gpt2_config, set_dropout
+from bench.models import build_backbone, build_causal_lm, set_dropout
 
 _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
 
@@ -53,14 +53,9 @@ class Engines:
 
     def _build_reward_model(self, config: dict[str, Any], checkpoint: str | None, dropout: float | None = None
                             ) -> torch.nn.Module:
-        from transformers import AutoModel, GPT2Model
-
         torch.manual_seed(self.spec.seed)
         with self._zero3(config):
-            if self.spec.model.path:
-                base = AutoModel.from_pretrained(self.spec.model.path, local_files_only=True)
-            else:
-                base = GPT2Model(gpt2_config(self.spec.model))
+            base = build_backbone(self.spec.model)
             model = RewardModel(base, base.config.hidden_size, self.options.compute_fp32_loss)
         if checkpoint:
             self._load(model, checkpoint, config)

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from bench.collect import collect
 from bench.record import utc_now
-from bench.report import checkpoints, claims, decision, differences, plots, render, soak, tables
+from bench.report import checkpoints, claims, decision, differences, plots, render, soak, tables, yardstick
 
 GIB = 1024.0**3
 
@@ -50,6 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         collection=collection,
         tables=tables.all_tables(collection.rows, collection.cells)
         + [differences.differences_table(collection.rows, collection.cells)]
+        + yardstick.yardstick_tables(collection.rows, collection.cells)
         + soak.soak_table(collection.rows, collection.records)
         + checkpoints.checkpoint_table(collection.rows, collection.cells),
         plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))

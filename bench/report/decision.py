@@ -8,7 +8,8 @@ PPO epochs count as one). A leaf names a framework only when both leaders have a
 or 3 timed steps of one run) and the leader is >= 10 % ahead with intervals that do not overlap.
 Forced-failure runs never count. Cells only this harness
 can run (`harness_extension`: DS-Chat or coati in fp32, coati's PPO on ddp/zero1, trlx with gradient
-checkpointing, ...) are left out unless asked for: no user of the framework could deploy them.
+checkpointing, ...) are left out unless asked for: no user of the framework could deploy them. The
+plain-PyTorch reference (`framework=torch`) appears in a leaf's evidence as the yardstick, never as its verdict.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.collect import is_forced_failure
+from bench.collect import YARDSTICK, is_forced_failure
 from bench.report.aggregate import Stat, group, overlap, per_gpu, stat
 
 MIB = 1024.0 * 1024.0
@@ -98,10 +99,25 @@ def _fits(r: dict[str, Any], budget: float | None) -> bool:
             and (budget is None or (r.get("peak_bytes") is not None and r["peak_bytes"] <= budget)))
 
 
+def _yardstick(rows: list[dict[str, Any]], budget: float | None) -> str | None:
+    """The plain-PyTorch reference's fastest fitting configuration, as evidence only."""
+    fitting = [r for r in rows if r["framework"] == YARDSTICK and _fits(r, budget)]
+    if not fitting:
+        return None
+    best = max(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median)
+    measured, _ = cell_speed(best)
+    return (f"yardstick ({YARDSTICK}, plain PyTorch; never a verdict): {_config_text(best)}: {measured.median:.3f} "
+            f"samples/s per GPU; peak {stat([r['peak_bytes'] for r in best]).median / MIB:,.0f} MiB "
+            f"({len(best)} run(s))")
+
+
 def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]) -> Leaf:
+    yardstick = _yardstick(rows, budget)
+    rows = [r for r in rows if r["framework"] != YARDSTICK]
+    frameworks = [f for f in frameworks if f != YARDSTICK]
     if not rows:
-        return Leaf("not measured: no run in this branch, cannot decide", False)
-    evidence, candidates = [], []
+        return Leaf("not measured: no run in this branch, cannot decide", False, [yardstick] if yardstick else [])
+    evidence, candidates = ([yardstick] if yardstick else []), []
     unmeasured = [f for f in frameworks if not any(r["framework"] == f for r in rows)]
     if unmeasured:
         evidence.append(f"not measured in this branch: {', '.join(unmeasured)}")

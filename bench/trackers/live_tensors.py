@@ -33,10 +33,19 @@ class LiveGroup:
                 "storage_bytes": self.storage_bytes, "total_bytes": self.count * self.storage_bytes}
 
 
+def _has_storage(t: torch.Tensor) -> bool:
+    """Wrapper subclasses (FSDP2's DTensor) own no storage of their own: their local tensors are counted."""
+    try:
+        t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return False
+    return t.device.type != "meta"
+
+
 def _live_tensors() -> list[torch.Tensor]:
     with warnings.catch_warnings():  # isinstance on some torch module objects warns about deprecated names
         warnings.simplefilter("ignore")
-        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+        return [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor) and _has_storage(obj)]
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -44,14 +53,14 @@ def _storage_key(t: torch.Tensor) -> tuple[str, int]:
 
 
 def storages_alive() -> set[tuple[str, int]]:
-    return {_storage_key(t) for t in _live_tensors() if t.device.type != "meta"}
+    return {_storage_key(t) for t in _live_tensors()}
 
 
 def census(exclude: set[tuple[str, int]]) -> list[LiveGroup]:
     """Live storages not in `exclude` and not parameters, largest groups first."""
     largest: dict[tuple[str, int], torch.Tensor] = {}
     for t in _live_tensors():
-        if isinstance(t, torch.nn.Parameter) or t.device.type == "meta":
+        if isinstance(t, torch.nn.Parameter):
             continue
         key = _storage_key(t)
         if key in exclude or key[1] == 0:
