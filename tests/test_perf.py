@@ -27,7 +27,7 @@ def test_ratios_need_the_reference(capsys):
     assert "ratios need the reference 'torch'" in capsys.readouterr().err
 
 
-@pytest.mark.engine
+@pytest.mark.slow  # CI time (38 s, two runs); the ratio arithmetic is in CI (tests/test_report_rules.py)
 def test_a_cpu_run_prints_the_ratio_table(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # results/perf/<name> lands under the test's folder
     code = perf.main(["--frameworks", "dschat,torch", "--rounds", "1", "--name", "t", "model=tiny",
