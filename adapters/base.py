@@ -16,7 +16,8 @@ import torch
 
 from bench.data import PreferenceBatch, PromptBatch, SFTBatch
 from bench.flops import Attention
-from bench.models import ParamCounts, model_config
+from bench.models import model_config
+from bench.params import ParamCounts
 from bench.spec import RunSpec, UnsupportedError
 
 

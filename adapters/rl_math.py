@@ -24,6 +24,21 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
+def kl_penalised_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, score: torch.Tensor, start: int,
+                         action_mask: torch.Tensor, kl_coef: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DS-Chat's DeepSpeedPPOTrainer.compute_rewards (the plain-PyTorch reference uses the same): -kl_coef *
+    (logp - logp_ref) per action, plus the reward model's score clipped to +-clip on each row's last answer
+    action. Returns (rewards, ends), `ends` the index one past each row's last answer action.
+
+    DS-Chat's pad id equals its EOS id, so its mask drops the EOS and its `+ 1` lands the score on the EOS
+    action; with separate pad and EOS ids (as here) that action is the last unmasked one, so no `+ 1`."""
+    rewards = -kl_coef * (log_probs - ref_log_probs)
+    ends = start + action_mask[:, start:].sum(1)
+    rows = torch.arange(rewards.shape[0], device=rewards.device)
+    rewards[rows, ends - 1] += score.clamp(-clip, clip)  # one position per row: same as upstream's per-row loop
+    return rewards, ends
+
+
 def gae(values: torch.Tensor, rewards: torch.Tensor, start: int, gamma: float, lam: float
         ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised advantage estimation over positions >= start; returns (advantages, returns)."""

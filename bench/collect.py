@@ -265,6 +265,9 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     peak = device_peak_tflops(record.get("environment") or {})
     row["mfu"] = row["tflops_per_s_rank0"] / peak if peak and row["tflops_per_s_rank0"] else None
     row["trained_params"] = _trained_params(result)
+    for part, seconds in (result.get("fixed_cost") or {}).items():  # launch_s, imports_s, init_s, ... fixed_s
+        if part != "method":
+            row[f"fixed_{part}"] = _number(seconds)
     return row
 
 

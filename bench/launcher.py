@@ -50,7 +50,21 @@ def _env(spec: RunSpec) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
+    jit_cache = jit_cache_dir()
+    if jit_cache is not None:
+        env.setdefault("TORCH_EXTENSIONS_DIR", jit_cache)
     return env
+
+
+def jit_cache_dir() -> str | None:
+    """Where the ranks' JIT-compiled ops (DeepSpeed's shm_comm, cpu_adam, fused_adam) are cached: inside this
+    virtual environment. torch's default, one folder per user, is shared by every checkout, and an op built
+    against one environment's headers is rebuilt (about 100 s) for the next: two checkouts used in turn
+    rebuilt each other's ops on every first run. None outside a writable virtual environment (the default
+    applies); a TORCH_EXTENSIONS_DIR the user set is kept."""
+    if sys.prefix == sys.base_prefix or not os.access(sys.prefix, os.W_OK):
+        return None
+    return os.path.join(sys.prefix, "torch_extensions")
 
 
 def sigkilled_ranks(log: str) -> list[int]:

@@ -17,9 +17,10 @@ from adapters.base import Adapter, Rollout, TrainOutput
 from bench.checkpoint import Checkpointer, latest_complete, set_rng_state
 from bench.data import SyntheticData
 from bench.flops import Attention, phase_flops
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.spec import RunSpec
 from bench.trackers.live_tensors import LiveTensorProbe
+from bench.trackers.memory import long_lived_frozen
 from bench.trackers.phases import PhaseTracker
 from bench.trackers.stability import StabilityTracker
 
@@ -148,27 +149,28 @@ class StageLoop:
         for observer in self.observers:
             observer.start(stage, n_steps)
         device = self.tracker.device
-        for step in range(first, n_steps):
-            try:
-                record = self._step(stage, step)
-            except Exception as err:  # the engine giving up on fp16 is a measured outcome, not a crash
-                if MIN_SCALE_MESSAGE not in str(err):
-                    raise
-                self.stability.abort(str(err), step)
-                self.tracker.current_phase = None
-                record = None
-            stop = True
-            if record is not None:
-                stop = self.stability.observe(step, record.pop("_values"), record.pop("_skipped"),
-                                              record.pop("_scales"))
-                self.steps.append(record)
-                for observer in self.observers:
-                    observer.advance(record)
-            if any_rank(stop, device):
-                break
-            if checkpointer is not None and checkpointer.due(step + 1):
-                with self.tracker.phase("checkpoint", step):
-                    checkpointer.save(step + 1)
+        with long_lived_frozen():  # the collection before each phase walks only what the steps make
+            for step in range(first, n_steps):
+                try:
+                    record = self._step(stage, step)
+                except Exception as err:  # the engine giving up on fp16 is a measured outcome, not a crash
+                    if MIN_SCALE_MESSAGE not in str(err):
+                        raise
+                    self.stability.abort(str(err), step)
+                    self.tracker.current_phase = None
+                    record = None
+                stop = True
+                if record is not None:
+                    stop = self.stability.observe(step, record.pop("_values"), record.pop("_skipped"),
+                                                  record.pop("_scales"))
+                    self.steps.append(record)
+                    for observer in self.observers:
+                        observer.advance(record)
+                if any_rank(stop, device):
+                    break
+                if checkpointer is not None and checkpointer.due(step + 1):
+                    with self.tracker.phase("checkpoint", step):
+                        checkpointer.save(step + 1)
         if checkpointer is not None:
             checkpointer.close()  # the last overlapped writes: their wait is in the last save's entry
         for observer in self.observers:

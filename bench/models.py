@@ -7,24 +7,15 @@ so it stands in honestly (GLM's second, block-position table and its `mems` deco
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import time
+from collections.abc import Callable
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2Model, PretrainedConfig
 
+from bench.params import ParamCounts
 from bench.spec import ModelSpec
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    total: int  # unique parameters (tied weights once)
-    trainable: int
-    compute: int  # parameters a token's forward pass multiplies through: total minus position tables
-    compute_trainable: int = 0  # of `compute`, those that train (their backward also forms weight gradients)
-
-    def as_dict(self) -> dict[str, int]:
-        return {"total": self.total, "trainable": self.trainable, "compute": self.compute,
-                "compute_trainable": self.compute_trainable}
 
 
 def gpt2_config(model: ModelSpec) -> GPT2Config:
@@ -54,6 +45,30 @@ def model_config(model: ModelSpec) -> PretrainedConfig:
     return gpt2_config(model)
 
 
+_build_seconds = [0.0]  # this process's time inside the builders below (read by the worker: model_build_s)
+
+
+def _timed(build: Callable[[ModelSpec], torch.nn.Module]) -> Callable[[ModelSpec], torch.nn.Module]:
+    """Adds the builder's wall time to _build_seconds, so that a run's init splits into model build (random
+    initialisation or loading; under DeepSpeed's zero.Init also partitioning) and engine wrapping."""
+
+    @functools.wraps(build)
+    def timed(model: ModelSpec) -> torch.nn.Module:
+        start = time.perf_counter()
+        try:
+            return build(model)
+        finally:
+            _build_seconds[0] += time.perf_counter() - start
+
+    return timed
+
+
+def model_build_seconds() -> float:
+    """Seconds this process has spent building models with build_causal_lm and build_backbone."""
+    return _build_seconds[0]
+
+
+@_timed
 def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
     """A causal LM with random weights (or the local checkpoint at model.path). No downloads. Built in the
     ambient dtype and never cast afterwards: inside DeepSpeed's zero.Init the parameters are already the
@@ -70,6 +85,7 @@ def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
     return GPT2LMHeadModel(gpt2_config(model))
 
 
+@_timed
 def build_backbone(model: ModelSpec) -> torch.nn.Module:
     """The transformer without its LM head (reward models and critics put a value head on it), random weights
     or the local checkpoint at model.path."""

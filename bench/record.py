@@ -424,8 +424,11 @@ FIXED_COST_METHOD = (
     "longest rank lifetime (torchrun, process spawn, merging the ranks' results); process_start = from the "
     "rank's process start to its first line of work (the interpreter, torch, transformers and the harness "
     "imported); imports = the engine libraries, JIT ops and process groups (phase `imports`); init = models "
-    "built and wrapped in their engines (phase `init`); steps = every step's phases, warm-up included; "
-    "checkpoints = mid-stage saves; save = the stage's closing save; close = engine teardown; other = the "
+    "built and wrapped in their engines (phase `init`), of which init_model_build = inside the model builders "
+    "(random initialisation or loading; under zero.Init partitioning too) and init_engines = the rest; jit_ops = "
+    "inside torch's JIT extension loader (DeepSpeed's compiled ops built or loaded), a part of imports and init; "
+    "steps = every step's phases, warm-up included; checkpoints = mid-stage saves; evaluation = the RM's "
+    "accuracy before and after training; save = the stage's closing save; close = engine teardown; other = the "
     "lifetime's remainder (data, records, progress). fixed = wall time minus steps: what a run costs whatever "
     "its length")
 
@@ -445,13 +448,19 @@ def fixed_cost(ranks: list[dict[str, Any]], wall_time_s: float) -> dict[str, Any
         "process_start_s": first.get("process_start_s") or 0.0,
         "imports_s": phase_time(lambda s: s["phase"] == "imports"),
         "init_s": phase_time(lambda s: s["phase"] == "init"),
-        "steps_s": phase_time(lambda s: s.get("step") is not None and s["phase"] != "checkpoint"),
+        "steps_s": phase_time(lambda s: s.get("step") is not None and s["phase"] not in OUTSIDE_STEP),
         "checkpoints_s": phase_time(lambda s: s["phase"] == "checkpoint"),
+        "evaluation_s": phase_time(lambda s: s["phase"] == "evaluation"),
         "save_s": first.get("save_s") or 0.0,
         "close_s": first.get("close_s") or 0.0,
     }
     split["other_s"] = first["lifetime_s"] - sum(v for k, v in split.items() if k != "launch_s")
     split["fixed_s"] = wall_time_s - split["steps_s"]
+    if first.get("model_build_s") is not None:  # parts of the figures above, not added to them
+        split["init_model_build_s"] = first["model_build_s"]
+        split["init_engines_s"] = split["init_s"] - first["model_build_s"]
+    if first.get("jit_ops_s") is not None:
+        split["jit_ops_s"] = first["jit_ops_s"]
     return {**{k: round(v, 3) for k, v in split.items()}, "method": FIXED_COST_METHOD}
 
 

@@ -24,10 +24,12 @@ from adapters.base import RankContext
 from bench.data import SyntheticData
 from bench.environment import environment
 from bench.loop import StageLoop, StepObserver
+from bench.models import model_build_seconds
 from bench.progress import StepProgress
 from bench.record import write_json
 from bench.spec import RunSpec, UnsupportedError
 from bench.step_log import WandbSteps
+from bench.trackers import jit_ops
 from bench.trackers.phases import PhaseTracker
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
@@ -83,6 +85,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         if rank == 0:
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
+        jit_ops.install()
         # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
         # before it builds a model. Growth is measured from here, so frameworks compare on their own work.
         with tracker.phase("imports"):
@@ -129,6 +132,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             observer.stop()
         if tracker is not None:
             result["phase_samples"] = tracker.samples
+        result.update(model_build_s=model_build_seconds(), jit_ops_s=jit_ops.seconds())
         if adapter is not None and "cut_short" not in result:  # a cut-short rank must not wait on its peers
             start = time.perf_counter()
             try:

@@ -1,7 +1,8 @@
 """What the harness's own instruments cost: the same steps with the trackers on and off, in one process.
 
-The step loop's steps run alternately through the real PhaseTracker (per phase: gc + malloc_trim, the RSS
-high-water reset and read, or the CUDA peak reset and read, and the timer) and through a tracker that
+The step loop's steps run alternately through the real PhaseTracker (per phase: gc, malloc_trim where the
+phase's floor needs it, the RSS high-water reset and read, or the CUDA peak reset and read, and the timer),
+with the objects alive after init frozen as StageLoop.run freezes them, and through a tracker that
 measures nothing, in the order on, off, off, on, on, off, ... (neither mode always goes first), each step
 timed whole from outside with time.perf_counter between barriers. Warm-up steps are left out. Rank 0
 prints the median step time of each mode and the overhead of the trackers as a share of the untracked step.
@@ -34,6 +35,7 @@ from bench.config import compose  # noqa: E402
 from bench.data import SyntheticData  # noqa: E402
 from bench.loop import StageLoop  # noqa: E402
 from bench.spec import spec_from_config  # noqa: E402
+from bench.trackers.memory import long_lived_frozen  # noqa: E402
 from bench.trackers.phases import PhaseTracker  # noqa: E402
 from bench.worker import resolve_device  # noqa: E402
 
@@ -78,14 +80,15 @@ def main(overrides: list[str]) -> None:
     loop = StageLoop(adapter, spec, tracker, data)
     times: dict[bool, list[float]] = {True: [], False: []}
     modes = tracked_steps(spec.steps[stage])
-    for step, on in enumerate(modes):
-        loop.tracker = tracker if on else untracked
-        _sync(device)
-        start = time.perf_counter()
-        loop._step(stage, step)  # the loop's own step: the adapter's work inside the tracker's phases
-        _sync(device)
-        if step >= spec.warmup_steps:
-            times[on].append(time.perf_counter() - start)
+    with long_lived_frozen():
+        for step, on in enumerate(modes):
+            loop.tracker = tracker if on else untracked
+            _sync(device)
+            start = time.perf_counter()
+            loop._step(stage, step)  # the loop's own step: the adapter's work inside the tracker's phases
+            _sync(device)
+            if step >= spec.warmup_steps:
+                times[on].append(time.perf_counter() - start)
     adapter.close()
     if rank == 0:
         on, off = statistics.median(times[True]), statistics.median(times[False])
@@ -93,6 +96,8 @@ def main(overrides: list[str]) -> None:
               f"{on:.3f} s with trackers ({len(times[True])} steps), {off:.3f} s without ({len(times[False])}); "
               f"overhead {100 * (on / off - 1):+.1f} % of the untracked step")
         print(f"with: {[round(t, 3) for t in times[True]]}\nwithout: {[round(t, 3) for t in times[False]]}")
+        trimmed = [s["heap_trimmed"] for s in tracker.samples]
+        print(f"heap trimmed before {sum(trimmed)} of {len(trimmed)} tracked phases (warm-up included)")
 
 
 if __name__ == "__main__":

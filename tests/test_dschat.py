@@ -52,6 +52,11 @@ def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench,
     assert sft["params"]["actor"]["total"] == sft["params"]["actor"]["trainable"] > 0
     assert record["environment"]["libraries"]["deepspeed"] == "0.19.8"
     assert sft["stability"]["classification"] == "stable"
+    # the fixed cost's parts: the actor built inside init; on the CPU DeepSpeed loads its shm_comm op through
+    # torch's JIT loader when it sets up communication
+    cost = sft["fixed_cost"]
+    assert 0 < cost["init_model_build_s"] < cost["init_s"]
+    assert cost["jit_ops_s"] > 0 or record["environment"]["device"] != "cpu"
 
 
 def test_rm_bf16_zero2_lora_freezes_the_wrapped_weights(run_bench):

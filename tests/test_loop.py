@@ -19,7 +19,7 @@ from adapters.base import Adapter, TrainOutput
 from bench.config import compose
 from bench.data import SyntheticData
 from bench.loop import StageLoop
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.spec import spec_from_config
 from bench.trackers.phases import PhaseTracker
 

@@ -9,7 +9,7 @@ import pytest
 from adapters.base import TrainOutput
 from bench.flops import Attention, phase_flops, token_flops
 from bench.launcher import missing_ranks_failure, sigkilled_ranks
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.record import fixed_cost, merge_status, stage_record
 
 MIB = 1024 * 1024
@@ -239,13 +239,18 @@ def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes
 def test_the_fixed_cost_splits_a_stage_s_time_outside_its_steps():
     samples = [{"phase": "imports", "step": None, "time_s": 3.0}, {"phase": "init", "step": None, "time_s": 4.0},
                {"phase": "training", "step": 0, "time_s": 9.0}, {"phase": "training", "step": 1, "time_s": 10.0},
-               {"phase": "checkpoint", "step": 1, "time_s": 2.5}]
+               {"phase": "checkpoint", "step": 1, "time_s": 2.5}, {"phase": "evaluation", "step": 2, "time_s": 1.5}]
     ranks = [{"rank": 0, "lifetime_s": 50.0, "process_start_s": 6.0, "save_s": 2.0, "close_s": 0.5,
               "phase_samples": samples},
              {"rank": 1, "lifetime_s": 51.0, "process_start_s": 6.5, "phase_samples": samples}]
     split = fixed_cost(ranks, wall_time_s=55.0)
-    # launch: 55 - the longest lifetime 51; other: rank 0's 50 s less 6 + 3 + 4 + 19 + 2.5 + 2 + 0.5
+    # launch: 55 - the longest lifetime 51; other: rank 0's 50 s less 6 + 3 + 4 + 19 + 2.5 + 1.5 + 2 + 0.5
     assert {k: v for k, v in split.items() if k != "method"} == {
         "launch_s": 4.0, "process_start_s": 6.0, "imports_s": 3.0, "init_s": 4.0, "steps_s": 19.0,
-        "checkpoints_s": 2.5, "save_s": 2.0, "close_s": 0.5, "other_s": 13.0, "fixed_s": 36.0}
+        "checkpoints_s": 2.5, "evaluation_s": 1.5, "save_s": 2.0, "close_s": 0.5, "other_s": 11.5, "fixed_s": 36.0}
     assert fixed_cost([{"rank": 0, "phase_samples": samples}], 55.0) == {}  # a rank that wrote no timings
+    # the parts of init and of imports + init a rank timed: shown beside the split, never added to it
+    ranks[0].update(model_build_s=1.5, jit_ops_s=2.25)
+    parts = fixed_cost(ranks, wall_time_s=55.0)
+    assert (parts["init_model_build_s"], parts["init_engines_s"], parts["jit_ops_s"]) == (1.5, 2.5, 2.25)
+    assert (parts["other_s"], parts["fixed_s"]) == (11.5, 36.0)

@@ -23,7 +23,7 @@ from adapters.colossalai.lora import merged_state_dict
 from adapters.colossalai.options import ColossalOptions, PluginChoice
 from adapters.colossalai.update import Update
 from adapters.state_bytes import model_state
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.spec import RunSpec, UnsupportedError
 
 GEMINI_ON_CPU = (

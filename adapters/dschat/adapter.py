@@ -25,7 +25,8 @@ from adapters.dschat.lora import fused_state_dict
 from adapters.dschat.options import DSChatOptions
 from adapters.dschat.update import Update
 from adapters.state_bytes import model_state
-from bench.models import ParamCounts, count_params
+from bench.models import count_params
+from bench.params import ParamCounts
 from bench.spec import RunSpec
 
 

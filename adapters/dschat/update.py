@@ -8,14 +8,12 @@ value loss's values (critic_loss_fn). The actor is checkpointed only during the 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from adapters.base import Experience, TrainOutput
 from adapters.dschat import fp16_zero0
 from adapters.grad_norm import global_grad_norm
-from adapters.rl_math import gae, gather_log_probs, policy_loss, position_ids, value_loss
+from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, policy_loss, position_ids, value_loss
 from bench.data import PreferenceBatch, SFTBatch
 
 
@@ -90,20 +88,6 @@ class Update:
         engine.train()
         return float((result["chosen_end_scores"] > result["rejected_end_scores"]).float().mean())
 
-    def _rewards(self, p: dict[str, Any], action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """DeepSpeedPPOTrainer.compute_rewards: -kl_ctl * (logp - logp_ref) per token, plus the score
-        clipped to +-clip_reward_value on the last answer action. DS-Chat's pad id equals its EOS id,
-        so its mask drops the EOS and its `+ 1` lands the score on the EOS action; with separate pad and
-        EOS ids the same action is the last unmasked one, so `ends` here has no `+ 1`."""
-        ppo = self.options.ppo
-        rewards = -ppo.kl_ctl * (p["log_probs"] - p["ref_log_probs"])
-        start = p["start"]
-        ends = start + action_mask[:, start:].sum(1)
-        clipped = p["score"].clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
-        for j in range(rewards.shape[0]):
-            rewards[j, int(ends[j]) - 1] += clipped[j]
-        return rewards, ends
-
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = experience.payload
         ppo = self.options.ppo
@@ -111,7 +95,8 @@ class Update:
         action_mask = mask[:, 1:]
         old_values = p["values"].clone()
         with torch.no_grad():
-            rewards, ends = self._rewards(p, action_mask)
+            rewards, ends = kl_penalised_rewards(p["log_probs"], p["ref_log_probs"], p["score"], start, action_mask,
+                                                 ppo.kl_ctl, ppo.clip_reward_value)
             for j in range(rewards.shape[0]):
                 old_values[j, int(ends[j]):] = 0
                 rewards[j, int(ends[j]):] = 0

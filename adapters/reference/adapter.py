@@ -19,7 +19,7 @@ from adapters.reference.experience import ExperienceMaker
 from adapters.reference.options import LAYOUTS, ReferenceOptions
 from adapters.reference.update import Update
 from adapters.state_bytes import model_state
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.spec import RunSpec
 
 

@@ -5,13 +5,12 @@ on the last action, GAE, clipped policy and value losses; actor step, then criti
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 
 from adapters.base import Experience, TrainOutput
 from adapters.reference.models import end_scores, pairwise_loss
-from adapters.rl_math import gae, gather_log_probs, policy_loss, position_ids, value_loss
+from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, policy_loss, position_ids, value_loss
 from bench.data import PreferenceBatch, SFTBatch
 
 
@@ -81,24 +80,14 @@ class Update:
         scores, n = end_scores(values, mask), batch.chosen_ids.shape[0]
         return float((scores[:n] > scores[n:]).float().mean())
 
-    def _rewards(self, p: dict[str, Any], action_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """-kl_coef * (logp - logp_ref) per action, plus the score clipped to +-clip_reward_value on the last."""
-        ppo = self.options.ppo
-        rewards = -ppo.kl_coef * (p["log_probs"] - p["ref_log_probs"])
-        start = p["start"]
-        ends = start + action_mask[:, start:].sum(1)
-        clipped = p["score"].clamp(-ppo.clip_reward_value, ppo.clip_reward_value)
-        rows = torch.arange(rewards.shape[0], device=rewards.device)
-        rewards[rows, ends - 1] += clipped
-        return rewards, ends
-
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = experience.payload
         ppo = self.options.ppo
         seq, mask, start = p["seq"], p["mask"], p["start"]
         action_mask = mask[:, 1:]
         with torch.no_grad():
-            rewards, ends = self._rewards(p, action_mask)
+            rewards, ends = kl_penalised_rewards(p["log_probs"], p["ref_log_probs"], p["score"], start, action_mask,
+                                                 ppo.kl_coef, ppo.clip_reward_value)
             after_end = torch.arange(rewards.shape[1], device=rewards.device)[None, :] >= ends[:, None]
             old_values = p["values"].masked_fill(after_end, 0.0)
             advantages, returns = gae(old_values, rewards.masked_fill(after_end, 0.0), start, ppo.gamma, ppo.lam)

@@ -27,7 +27,7 @@ from adapters.trlx.models import PolicyWithValueHead
 from adapters.trlx.options import TrlxOptions
 from adapters.trlx.update import Update
 from bench.flops import Attention
-from bench.models import ParamCounts
+from bench.params import ParamCounts
 from bench.spec import RunSpec, UnsupportedError
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}

@@ -14,7 +14,8 @@ import torch
 
 from adapters.state_bytes import tensor_bytes
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
-from bench.models import ParamCounts, build_causal_lm, count_params, gpt2_config
+from bench.models import build_backbone, build_causal_lm, count_params
+from bench.params import ParamCounts
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -75,10 +76,8 @@ class Engines:
                            f"weight decay {self.options.weight_decay})")
 
     def _reward_model(self, checkpoint: str | None) -> GPTRewardModel:
-        from transformers import GPT2Model
-
         torch.manual_seed(self.spec.seed)
-        model = GPTRewardModel(GPT2Model(gpt2_config(self.spec.model)), self.spec.model.hidden)
+        model = GPTRewardModel(build_backbone(self.spec.model), self.spec.model.hidden)
         if checkpoint:
             model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
         return model

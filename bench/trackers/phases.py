@@ -34,7 +34,7 @@ class PhaseTracker:
             raise RuntimeError(f"phase {name!r} started inside phase {self.current_phase!r}")
         sample: dict[str, Any] = {"phase": name, "step": step}
         self.current_phase = name
-        self.memory.start()
+        sample["heap_trimmed"] = self.memory.start(name)
         start = time.perf_counter()
         yield sample
         if self.device.type == "cuda":
