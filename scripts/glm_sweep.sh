@@ -33,9 +33,13 @@ if [ -d "$example" ]; then  # resume from the curated records: their cells are n
 fi
 common=(sweep_name=$name prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5
         launcher.timeout_s=3600)
-# sweep MODEL RANKS OVERRIDES...: one Hydra multirun (a key may appear once per call)
+# sweep MODEL RANKS OVERRIDES...: one Hydra multirun (a key may appear once per call). Then each run's closing
+# save is deleted: the benchmark reads records, and at glm-base a save is 0.4-0.5 GB, which over the sweep's
+# 177 runs filled this machine's disk (the prerequisite reward models stay, in results/cache).
 sweep() { local model=$1 ranks=$2; shift 2; .venv/bin/python -m bench.run -m "${common[@]}" model="$model" \
-            launcher.nproc="$ranks" "$@"; }
+            launcher.nproc="$ranks" "$@"
+          find "$sweep_dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune \
+            -exec rm -rf {} +; }
 # 1 warm-up step + 3 timed steps per run (a single run has a spread); fp16 runs get 8, so that DeepSpeed's and
 # ColossalAI's loss scale (2^16, halved per overflow) can calibrate within the stability rules' allowance
 steps() { [ "${2:-}" = fp16 ] && echo 8 || echo 4; }
