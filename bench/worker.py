@@ -10,6 +10,7 @@ import argparse
 import faulthandler
 import json
 import os
+import shutil
 import signal
 import sys
 import time
@@ -54,6 +55,21 @@ def resolve_device(requested: str, local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
+
+
+LOW_DISK_BYTES = 256 * 2**20
+
+
+def low_disk_hint(path: str) -> str:
+    """Names a nearly full disk in a failure's message: torch.save on a full disk fails with "unexpected pos
+    ...", not with ENOSPC, and a sweep of large runs fills a disk with its saves."""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    if free >= LOW_DISK_BYTES:
+        return ""
+    return f" [the disk holding {path} has {free / 2**20:.0f} MiB free: probably full]"
 
 
 def classify(err: BaseException) -> str:
@@ -120,7 +136,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     except BaseException as err:  # noqa: BLE001 -- every failure must become a record
         result["status"] = classify(err)
         phase = tracker.current_phase if tracker is not None else "startup"
-        result["error"] = {"message": f"{type(err).__name__}: {err}", "phase": phase,
+        result["error"] = {"message": f"{type(err).__name__}: {err}{low_disk_hint(stage_dir)}", "phase": phase,
                            "traceback": traceback.format_exc(limit=20)}
         if isinstance(err, CutShort):
             result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0}
