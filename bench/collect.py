@@ -25,8 +25,10 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
-ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "debug.leak_mib_per_step": 0, "debug.leak_phase": "training",
-              "checkpoint.every": 0, "checkpoint.async": False, "resume": False}
+# (memory_release_every: records before the key had the heap released before every phase that needed it; the
+# key's null default means 4 outside soak runs, so new runs do not pool with them.)
+ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1, "debug.leak_mib_per_step": 0,
+              "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"

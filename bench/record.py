@@ -221,7 +221,12 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             if s.get("step") is not None and s["step"] >= 0:
                 entry = timeline.setdefault((s["phase"], s["step"]), {"phase": s["phase"], "step": s["step"],
                                                                       "peak_bytes": 0})
-                entry["peak_bytes"] = max(entry["peak_bytes"], s["peak_bytes"])
+                if s.get("peak_bytes") is None:  # this rank started the phase above its floor (memory tracker)
+                    bound = s.get("peak_upper_bound_bytes") or 0
+                    entry["peak_upper_bound_bytes"] = max(entry.get("peak_upper_bound_bytes", 0), bound)
+                    entry["peak_bytes"] = None
+                elif entry["peak_bytes"] is not None:  # max over ranks only where every rank measured
+                    entry["peak_bytes"] = max(entry["peak_bytes"], s["peak_bytes"])
                 if previous_end is not None and s.get("live_end_bytes") is not None:
                     # what the phase left alive: live allocations at its end minus at the end of the phase
                     # before it (this rank)
@@ -235,7 +240,9 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
     memory = {
         "method": ranks[0].get("memory_method"),
         "unit": "bytes",
-        "aggregate": "max over ranks of the max over steps (per-rank values alongside)",
+        "aggregate": ("max over ranks of the max over steps (per-rank values alongside), of the steps whose phase "
+                      "started from its own floor (see method); a timeline step a rank did not measure has "
+                      "peak_bytes null and peak_upper_bound_bytes"),
         "process_start_bytes_per_rank": [r.get("process_start_bytes") for r in ranks],
         "baseline_bytes_per_rank": [r.get("baseline_bytes") for r in ranks],
         "baseline_definition": ("after the `imports` phase: the framework's engine libraries imported, their JIT "

@@ -237,6 +237,7 @@ class RunSpec:
     tags: tuple[str, ...] = ()
     soak: bool = False
     memory_budget_gb: float | None = None
+    memory_release_every: int | None = None  # None: every run in a soak (its figure is per step), else 4
     debug: DebugSpec = field(default_factory=DebugSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     resume: bool = False
@@ -286,6 +287,8 @@ class RunSpec:
         _bool("resume", self.resume)
         if self.memory_budget_gb is not None:
             _positive_float("memory_budget_gb", self.memory_budget_gb)
+        if self.memory_release_every is not None:
+            _int("memory_release_every", self.memory_release_every, 1)
         if self.soak:
             for stage in self.stages:
                 fitted = self.steps[stage] - first_fitted_step(self.warmup_steps, self.steps[stage])
@@ -311,6 +314,15 @@ class RunSpec:
     @property
     def stages(self) -> tuple[str, ...]:
         return STAGE_CHOICES[self.stage]
+
+    @property
+    def release_every(self) -> int:
+        """How often (at least) a phase started above its own floor gets the freed heap handed back first
+        (bench.trackers.memory): every run in a soak, whose figure is the per-step peak; else every 4th, which
+        keeps the refault it costs within the harness's budget (README, "harness cost")."""
+        if self.memory_release_every is not None:
+            return self.memory_release_every
+        return 1 if self.soak else 4
 
     def stage_lr(self, role: str) -> float:
         """Learning rate of a trained role (sft, rm, actor, critic); `lr` overrides the main one."""
@@ -375,6 +387,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         tags=tuple(cfg.get("tags") or ()),
         soak=cfg.get("soak", False),
         memory_budget_gb=cfg.get("memory_budget_gb"),
+        memory_release_every=cfg.get("memory_release_every"),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
         checkpoint=CheckpointSpec(every=(cfg.get("checkpoint") or {}).get("every", 0),
                                   background=(cfg.get("checkpoint") or {}).get("async", False)),

@@ -80,7 +80,8 @@ def soak_trends(timeline: Sequence[dict[str, Any]], step_records: Sequence[dict[
     start = first_fitted_step(warmup_steps, steps)
     phases: dict[str, Any] = {}
     for phase in dict.fromkeys(entry["phase"] for entry in timeline):
-        entries = [e for e in timeline if e["phase"] == phase and e["step"] >= start]
+        # steps whose phase started above its own floor have no peak of their own (memory tracker's schedule)
+        entries = [e for e in timeline if e["phase"] == phase and e["step"] >= start and e["peak_bytes"] is not None]
         trend = phase_trend([(e["step"], e["peak_bytes"]) for e in entries], budget_bytes)
         if trend["verdict"] in ("growing", "flat"):
             with_it = {}

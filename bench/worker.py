@@ -95,7 +95,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     observers: list[StepObserver] = []
     try:
         device = resolve_device(spec.launcher.device, local_rank)
-        tracker = PhaseTracker(device)
+        tracker = PhaseTracker(device, spec.release_every)
         result.update(device=str(device), process_start_bytes=tracker.memory.current_bytes(),
                       memory_method=tracker.memory.method, time_method=tracker.time_method)
         if rank == 0:

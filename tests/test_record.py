@@ -254,3 +254,21 @@ def test_the_fixed_cost_splits_a_stage_s_time_outside_its_steps():
     parts = fixed_cost(ranks, wall_time_s=55.0)
     assert (parts["init_model_build_s"], parts["init_engines_s"], parts["jit_ops_s"]) == (1.5, 2.5, 2.25)
     assert (parts["other_s"], parts["fixed_s"]) == (11.5, 36.0)
+
+
+def test_a_step_a_rank_did_not_measure_has_no_peak_in_the_timeline_and_is_left_out_of_the_phase_peak():
+    ranks = [_rank(r, {"imports": [330 * MIB], "init": [350 * MIB], "training": [400 * MIB] * 3}, [1.0] * 3,
+                   [1.0] * 3) for r in (0, 1)]
+    # rank 1 started step 2's training above its floor (the memory tracker's release schedule): a bound only
+    unmeasured = ranks[1]["phase_samples"][4]
+    assert unmeasured["step"] == 2
+    unmeasured.update(peak_bytes=None, host_peak_bytes=None, peak_upper_bound_bytes=900 * MIB)
+    ranks[0]["phase_samples"][3]["peak_bytes"] = 410 * MIB  # rank 0, step 1
+    memory = stage_record("sft", ranks, warmup=0, wall_time_s=1.0).memory
+    timeline = {entry["step"]: entry for entry in memory["timeline"]}
+    assert timeline[1]["peak_bytes"] == 410 * MIB and "peak_upper_bound_bytes" not in timeline[1]
+    assert timeline[2]["peak_bytes"] is None and timeline[2]["peak_upper_bound_bytes"] == 900 * MIB
+    training = memory["phases"]["training"]
+    assert training["peak_bytes_per_rank"] == [410 * MIB, 400 * MIB] and training["peak_bytes"] == 410 * MIB
+    assert "started from its own floor" in memory["aggregate"]
+

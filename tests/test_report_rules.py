@@ -68,6 +68,14 @@ def test_a_record_from_before_a_knob_existed_pools_with_runs_at_the_knobs_defaul
     assert cells["old"] == cells["new"] != cells["leak"]
 
 
+def test_a_record_from_before_the_release_schedule_counts_as_released_every_run(tmp_path):
+    every, scheduled = config(seed=2, memory_release_every=1), config(seed=3, memory_release_every=None)
+    c = _collect(tmp_path, {"old": record(config(seed=1), run_id="old"), "every": record(every, run_id="every"),
+                            "scheduled": record(scheduled, run_id="scheduled")})
+    cells = {r["run"]: r["cell"] for r in c.rows}
+    assert cells["old"] == cells["every"] != cells["scheduled"]
+
+
 # --- forced failures are never evidence -------------------------------------------------------------------------
 
 def test_a_forced_divergence_is_no_evidence_for_a_claim_but_shows_in_the_stability_table(tmp_path):

@@ -52,6 +52,7 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("framework.compute_fp32_loss=yes", ["framework.compute_fp32_loss='yes'", "true or false"]),
         ("soak=maybe", ["soak='maybe' must be true or false"]),
         ("memory_budget_gb=0", ["memory_budget_gb=0 must be a positive number"]),
+        ("memory_release_every=0", ["memory_release_every=0 is not allowed; it must be >= 1"]),
         ("debug.leak_mib_per_step=-1", ["debug.leak_mib_per_step=-1 must be a number >= 0"]),
         ("debug.leak_phase=init", ["debug.leak_phase='init'", "generation, experience, training"]),
     ],
@@ -61,6 +62,12 @@ def test_bad_values_are_named_with_the_allowed_ones(override, expected):
         spec(override)
     for text in expected:
         assert text in str(err.value)
+
+
+def test_the_heap_is_released_every_run_in_a_soak_and_every_fourth_otherwise_unless_set():
+    assert spec().release_every == 4
+    assert spec("soak=true", "steps=20").release_every == 1
+    assert spec("soak=true", "steps=20", "memory_release_every=2").release_every == 2
 
 
 def test_a_soak_run_needs_enough_fitted_steps():

@@ -68,6 +68,33 @@ def test_a_phase_after_a_larger_one_starts_from_a_trimmed_heap():
         assert large["peak_bytes"] - small["peak_bytes"] > 200 * MIB, (large, small)
 
 
+def test_a_phase_above_its_floor_is_released_on_a_schedule_and_otherwise_records_only_a_bound():
+    tracker = PhaseTracker(torch.device("cpu"), release_every=3)
+    pins = []
+    for step in range(7):
+        with tracker.phase("large", step):
+            pins.append(_heap_garbage(256))
+        with tracker.phase("small", step):
+            pass
+    small = [s for s in tracker.samples if s["phase"] == "small"]
+    large_peak = min(s["peak_bytes"] for s in tracker.samples if s["phase"] == "large" and s["peak_bytes"])
+    # the first two runs, then at least every 3rd: runs 2 and 3 unmeasured, 4 released, 5 and 6 unmeasured
+    assert [s["heap_trimmed"] for s in small] == [True, True, False, False, True, False, False]
+    for sample in small:
+        if sample["heap_trimmed"]:
+            assert sample["peak_upper_bound_bytes"] is None
+            assert large_peak - sample["peak_bytes"] > 200 * MIB, sample
+        else:  # its floor was the larger phase's freed heap: a bound, not its figure
+            assert sample["peak_bytes"] is None and sample["host_peak_bytes"] is None
+            assert sample["peak_upper_bound_bytes"] > large_peak - 64 * MIB, sample
+    assert "at least one run in every 3 starts from its own floor" in tracker.memory.method
+
+
+def test_release_every_must_be_at_least_one():
+    with pytest.raises(ValueError, match="release_every=0 must be a whole number >= 1"):
+        PhaseTracker(torch.device("cpu"), release_every=0)
+
+
 def test_a_repeated_phase_reuses_its_own_freed_heap_and_reads_the_same_peak():
     tracker = PhaseTracker(torch.device("cpu"))
     for step in range(3):
@@ -273,3 +300,10 @@ def test_global_grad_norm_accumulates_in_fp32_without_copies():
     big.grad = torch.tensor([60000.0, 60000.0], dtype=torch.float16)  # the norm overflows fp16, not fp32
     assert global_grad_norm([big]) == pytest.approx(60000.0 * 2**0.5, rel=1e-3)
     assert global_grad_norm([c]) is None
+
+
+def test_the_overhead_script_rotates_its_modes_so_none_always_leads():
+    from scripts.tracker_overhead import mode_order
+
+    assert mode_order(6, ("on", "off")) == ["on", "off", "off", "on", "on", "off"]
+    assert mode_order(7, ("on", "off", "every")) == ["on", "off", "every", "off", "every", "on", "every"]

@@ -233,7 +233,8 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     for framework in sorted({r["framework"] for r in chosen}):
         run = next(r["run"] for r in chosen if r["framework"] == framework)
         timeline = records[run]["stages"]["ppo"]["memory"]["timeline"]
-        points = sorted((s["step"] * len(phases) + phases.index(s["phase"]), s["peak_bytes"] / MIB) for s in timeline)
+        points = sorted((s["step"] * len(phases) + phases.index(s["phase"]), s["peak_bytes"] / MIB) for s in timeline
+                        if s["peak_bytes"] is not None)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=framework)
     steps = 1 + max(s["step"] for r in chosen for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])
     ax.set_xticks(range(steps * len(phases)), [phases[i % len(phases)][:4] if i // len(phases) == 0 else ""

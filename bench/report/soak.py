@@ -66,7 +66,8 @@ def soak_figure(rows: list[dict[str, Any]], records: dict[str, dict[str, Any]], 
     for ax, (row, trend) in zip(axes[0], runs, strict=True):
         timeline = records[row["run"]]["stages"][row["stage"]]["memory"]["timeline"]
         for phase, t in trend["phases"].items():
-            points = [(e["step"], e["peak_bytes"] / MIB) for e in timeline if e["phase"] == phase]
+            points = [(e["step"], e["peak_bytes"] / MIB) for e in timeline
+                      if e["phase"] == phase and e["peak_bytes"] is not None]
             (line,) = ax.plot([p[0] for p in points], [p[1] for p in points], ".", markersize=3,
                               label=f"{phase}: {t['verdict']}")
             if t.get("fitted_steps"):

@@ -4,7 +4,8 @@ CPU: the kernel's RSS high-water mark, reset before each phase (`/proc/self/clea
 after it (`VmHWM`). It catches spikes shorter than any sampling interval. Where the reset is refused
 (hardened containers) it falls back to sampling RSS every 5 ms, which under-reads short spikes. Before a
 phase, garbage is collected and, where it would set the phase's floor, the heap malloc keeps free is handed
-back to the kernel (MemoryTracker.start says when).
+back to the kernel -- on a schedule, since the pages handed back are faulted in again by the next larger
+phase (MemoryTracker.start says when, and what a run without the release records).
 
 CUDA: phases are compared on `torch.cuda.max_memory_allocated` after a reset per phase (tensors alive).
 `max_memory_reserved` is kept as its own figure: the caching allocator never returns what it holds, so a
@@ -28,6 +29,9 @@ import psutil
 import torch
 
 CLEAR_REFS = "/proc/self/clear_refs"
+# A phase starting less than this above its own last peak counts as starting from its own floor: what a steady
+# loop's freed heap varies by, not another phase's garbage (the reading is then at most this much high).
+FLOOR_SLACK_BYTES = 4 * 1024 * 1024
 STATUS = "/proc/self/status"
 
 
@@ -115,14 +119,18 @@ class _RssSampler:
 
 @dataclass
 class MemoryReading:
-    peak_bytes: int  # the figure phases are compared on: host RSS peak on CPU, allocated peak on CUDA
+    # the figure phases are compared on: host RSS peak on CPU, allocated peak on CUDA; on the CPU None where the
+    # phase started above its own floor without the heap released (see MemoryTracker.start)
+    peak_bytes: int | None
     end_bytes: int  # at the phase's end, on the same scale as peak_bytes
-    host_peak_bytes: int
+    host_peak_bytes: int | None  # None as peak_bytes
     allocated_peak_bytes: int | None = None
     reserved_peak_bytes: int | None = None
     # live allocations at the phase's end (CUDA: allocated; CPU: malloc's, see malloc_live_bytes): what the
     # phase left alive, free of the allocator's caching; soak runs use it to find the phase a leak is in
     live_end_bytes: int | None = None
+    # the host reading of a phase whose floor was an earlier phase's freed heap: at least the phase's peak
+    peak_upper_bound_bytes: int | None = None
 
 
 class _HostPeak:
@@ -154,16 +162,25 @@ class _HostPeak:
 class MemoryTracker:
     """Measures one rank's peak memory per phase; phases must not nest."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, release_every: int = 4) -> None:
+        if release_every < 1:
+            raise ValueError(f"release_every={release_every} must be a whole number >= 1")
         self.device = device
+        self.release_every = release_every
         self._host = _HostPeak()
-        self._last_host_peak: dict[str, int] = {}  # per phase name: its host peak the last time it ran
+        self._last_host_peak: dict[str, int] = {}  # per phase: its host peak the last time its floor was its own
+        self._measured: dict[str, int] = {}  # per phase: runs with its own floor so far
+        self._unmeasured_run: dict[str, int] = {}  # per phase: runs without it since the last one with it
         self._phase = ""
+        self._floor_own = True
 
     @property
     def method(self) -> str:
-        release = ("; before each phase gc.collect() (objects alive after init frozen) and malloc_trim(0) where "
-                   "resident memory is above the phase's own last peak (the sample's heap_trimmed)")
+        release = ("; before each phase gc.collect() (objects alive after init frozen) and, where resident memory "
+                   "is over 4 MiB above the phase's own last peak, malloc_trim(0) (the sample's heap_trimmed) on the "
+                   f"phase's first two runs and so that at least one run in every {self.release_every} starts from "
+                   "its own floor (memory_release_every); a run left above it records no host peak "
+                   "(peak_upper_bound_bytes instead)")
         return self._method + release
 
     @property
@@ -187,16 +204,30 @@ class MemoryTracker:
 
         Garbage first: unreachable cycles are collected, so that tensors only they hold do not count. Then the
         heap malloc keeps free after earlier phases: where what is resident now is above this phase's own peak
-        the last time it ran (or it has not run yet), that heap would set this phase's floor, so it is trimmed.
-        Otherwise it is left: the phase's allocations reuse it before asking the kernel for more, and a trim
-        would only make them fault the same pages in again.
-        So a phase repeated (SFT's training step after training step) keeps its own heap, and a phase after a
-        larger one (PPO's generation after training) starts from a trimmed heap."""
+        the last time it was measured (by more than FLOOR_SLACK_BYTES; or it has not run yet), that heap would
+        set this phase's floor. Handing
+        it back (malloc_trim) costs what the next larger phase spends faulting the same pages in again -- PPO's
+        generation after training, every step: about 2 us a page, ~1 GiB a step at glm-base -- so it is done
+        where the phase has not yet run twice from its own floor (the warm-up step and the first measured one)
+        and so that at least one run in every `release_every` does. A run started above its floor without the
+        release measures nothing of its own on the host: its reading is kept as an upper bound only
+        (MemoryReading.peak_upper_bound_bytes); the phases after it in that step are left above their floors
+        too, and are released on their own schedule.
+        Where the floor is below the phase's last peak nothing is trimmed: the phase's allocations reuse the
+        free heap before asking the kernel for more (SFT's training step after training step)."""
         gc.collect()
         last = self._last_host_peak.get(phase)
-        trimmed = last is None or psutil.Process().memory_info().rss > last
+        needed = last is None or psutil.Process().memory_info().rss > last + FLOOR_SLACK_BYTES
+        trimmed = needed and (self._measured.get(phase, 0) < 2
+                              or self._unmeasured_run.get(phase, 0) >= self.release_every - 1)
         if trimmed:
             trim_heap()
+        self._floor_own = trimmed or not needed
+        if self._floor_own:
+            self._measured[phase] = self._measured.get(phase, 0) + 1
+            self._unmeasured_run[phase] = 0
+        else:
+            self._unmeasured_run[phase] = self._unmeasured_run.get(phase, 0) + 1
         self._phase = phase
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -206,10 +237,14 @@ class MemoryTracker:
 
     def stop(self) -> MemoryReading:
         host_peak, host_end = self._host.stop()
-        self._last_host_peak[self._phase] = host_peak
+        bound = None
+        if self._floor_own:
+            self._last_host_peak[self._phase] = host_peak
+        else:  # the floor was an earlier phase's freed heap: not this phase's figure
+            host_peak, bound = None, host_peak
         if self.device.type != "cuda":
             return MemoryReading(peak_bytes=host_peak, end_bytes=host_end, host_peak_bytes=host_peak,
-                                 live_end_bytes=malloc_live_bytes())
+                                 live_end_bytes=malloc_live_bytes(), peak_upper_bound_bytes=bound)
         torch.cuda.synchronize(self.device)
         allocated = torch.cuda.max_memory_allocated(self.device)
         end = torch.cuda.memory_allocated(self.device)
@@ -220,6 +255,7 @@ class MemoryTracker:
             host_peak_bytes=host_peak,
             allocated_peak_bytes=allocated,
             reserved_peak_bytes=torch.cuda.max_memory_reserved(self.device),
+            peak_upper_bound_bytes=bound,
         )
 
     def outside_allocator(self) -> dict[str, Any]:

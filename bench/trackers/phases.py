@@ -16,9 +16,9 @@ from bench.trackers.memory import MemoryTracker
 class PhaseTracker:
     """Records one sample per (phase, step): time_s, peak/end bytes, and the work the caller adds."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, release_every: int = 4) -> None:
         self.device = device
-        self.memory = MemoryTracker(device)
+        self.memory = MemoryTracker(device, release_every)
         self.samples: list[dict[str, Any]] = []
         self.current_phase: str | None = None
 
