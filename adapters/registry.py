@@ -15,19 +15,23 @@ from typing import Any
 class AdapterEntry:
     options: str  # "module:Class" of the option validator (imports no framework)
     adapter: str  # "module:Class" of the adapter (imports the framework lazily)
+    memory: str | None = None  # "module:function" of its memory model (bench.plan; imports no framework)
 
 
 _ENTRIES: dict[str, AdapterEntry] = {
     "dschat": AdapterEntry(
         options="adapters.dschat.options:DSChatOptions",
+        memory="adapters.dschat.memory:predict",
         adapter="adapters.dschat.adapter:DSChatAdapter",
     ),
     "colossalai": AdapterEntry(
         options="adapters.colossalai.options:ColossalOptions",
+        memory="adapters.colossalai.memory:predict",
         adapter="adapters.colossalai.adapter:ColossalAdapter",
     ),
     "trlx": AdapterEntry(
         options="adapters.trlx.options:TrlxOptions",
+        memory="adapters.trlx.memory:predict",
         adapter="adapters.trlx.adapter:TrlxAdapter",
     ),
     "torch": AdapterEntry(  # the plain-PyTorch reference, the yardstick (package `reference`: not `torch`)
@@ -52,3 +56,14 @@ def options_class(name: str) -> Any:
 
 def adapter_class(name: str) -> Any:
     return _load(_ENTRIES[name].adapter)
+
+
+def package(name: str) -> str:
+    """The adapter's package under adapters/ (`reference` for the framework named `torch`)."""
+    return _ENTRIES[name].options.split(".")[1]
+
+
+def memory_model(name: str) -> Any | None:
+    """The framework's memory model (RunShape -> {phase: Terms}), or None where it has none yet."""
+    path = _ENTRIES[name].memory
+    return _load(path) if path else None

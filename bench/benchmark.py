@@ -104,15 +104,30 @@ def soak_budget(spec: RunSpec, environment: dict[str, Any]) -> tuple[float | Non
     return None, "unknown: no budget given and the device's memory was not recorded"
 
 
+def _add_prediction(spec: RunSpec, stage: str, result: StageRecord, device: str) -> None:
+    """The memory model's prediction beside the measurement. A fault in the model is logged and recorded,
+    never allowed to cost the measured record."""
+    from bench.plan.predict import record_entry
+
+    try:
+        entry = record_entry(spec, stage, device, result.memory)
+    except Exception as err:  # noqa: BLE001 - the measurement matters more than the prediction
+        log.warning("stage %s: the memory model failed: %r", stage, err)
+        entry = {"error": repr(err)}
+    if entry is not None:
+        result.memory["prediction"] = entry
+
+
 def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir: str,
-                  echo: bool = True) -> ResultRecord:
+                  echo: bool = True, preflight: dict[str, Any] | None = None) -> ResultRecord:
     from adapters import registry
 
     run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
     remove_torn_writes(run_dir)
     record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config,
-                          harness_extension=registry.options_class(spec.framework).harness_extensions(spec))
+                          harness_extension=registry.options_class(spec.framework).harness_extensions(spec),
+                          preflight=preflight)
     record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}
     # resume=true: stages the interrupted run finished are kept as they were; the first unfinished one
@@ -141,6 +156,8 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
         environment = next((r["environment"] for r in outcome.ranks if "environment" in r), None)
         if environment and not record.environment:
             record.environment = environment
+        if result.memory.get("phases"):
+            _add_prediction(spec, stage, result, record.environment.get("device", "cpu"))
         if spec.soak and result.memory.get("timeline"):
             budget, source = soak_budget(spec, record.environment)
             result.memory["trend"] = soak_trends(result.memory["timeline"], result.steps, spec.warmup_steps,

@@ -22,7 +22,8 @@ RECORD_NAME = "record.json"
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
                   "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
-BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s")
+BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
+                    "preflight")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the

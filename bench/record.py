@@ -101,6 +101,7 @@ class ResultRecord:
     environment: dict[str, Any] = field(default_factory=dict)
     prerequisites: dict[str, Any] = field(default_factory=dict)
     harness_extension: list[dict[str, str]] = field(default_factory=list)  # knobs upstream cannot run
+    preflight: dict[str, Any] | None = None  # preflight=on|shrink: the predicted peak, the budget, the batch run
     stages: dict[str, StageRecord] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

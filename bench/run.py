@@ -23,6 +23,7 @@ from rich.console import Console
 from bench.benchmark import RECORD_FILE, run_benchmark
 from bench.cli_checks import check_command_line
 from bench.config import CONF_DIR, to_plain
+from bench.plan.preflight import PreflightRefusal, preflight, resolve_device
 from bench.record import ResultRecord, StageRecord, utc_now
 from bench.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
 from bench.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
@@ -78,6 +79,18 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
         if sweeping:
             return status
         sys.exit(2)
+    try:
+        spec, found = preflight(spec, spec.preflight, resolve_device(spec)) if spec.preflight != "off" else (spec, None)
+    except PreflightRefusal as err:
+        console.print(f"[bold red]refused before launch:[/bold red] {err}", soft_wrap=True)
+        _write_outcome(run_dir, config, "skipped", str(err), "preflight")
+        if sweeping:
+            return "skipped"
+        sys.exit(2)
+    if found and spec.batch != config["batch"]:
+        console.print(f"[yellow]preflight=shrink: batch {config['batch']} -> {spec.batch} "
+                      f"({found['verdict']['predicted_peak_bytes'] / 2**30:.2f} GiB predicted)[/yellow]")
+        config = {**config, "batch": spec.batch}
     if sweeping:
         batch = oom_backstop(config, os.path.dirname(run_dir), run_dir)
         if batch is not None:
@@ -86,7 +99,7 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
             return "skipped"
     cache_dir = os.path.join(config["output_root"], "cache")
     try:
-        record = run_benchmark(spec, run_dir, config, cache_dir)
+        record = run_benchmark(spec, run_dir, config, cache_dir, preflight=found)
     except Exception as err:  # noqa: BLE001 -- in a sweep, one cell's crash must not end the others
         if not sweeping:
             raise

@@ -20,6 +20,7 @@ ZERO_STAGES = (0, 1, 2, 3)
 STAGES = ("sft", "rm", "ppo")
 STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "pipeline": ("sft", "rm", "ppo")}
 WANDB_MODES = ("off", "online", "offline")
+PREFLIGHT_MODES = ("off", "on", "shrink")
 DEVICES = ("auto", "cpu", "cuda")
 # Run tags the report acts on. forced-failure: the run is meant to fail (a forced divergence); it shows in
 # the stability table and is never evidence for a claim, a decision or a figure of trained runs.
@@ -238,6 +239,7 @@ class RunSpec:
     soak: bool = False
     memory_budget_gb: float | None = None
     memory_release_every: int | None = None  # None: every run in a soak (its figure is per step), else 4
+    preflight: str = "off"  # on: refuse a run predicted not to fit; shrink: halve the batch until it fits
     debug: DebugSpec = field(default_factory=DebugSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     resume: bool = False
@@ -258,6 +260,7 @@ class RunSpec:
         _bool("grad_ckpt", self.grad_ckpt)
         _bool("offload", self.offload)
         _choice("wandb", self.wandb, WANDB_MODES)
+        _choice("preflight", self.preflight, PREFLIGHT_MODES)
         if not isinstance(self.tags, (list, tuple)):
             raise SpecError(f"tags={self.tags!r} must be a list, e.g. tags=[forced-failure]")
         for tag in self.tags:
@@ -388,6 +391,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         soak=cfg.get("soak", False),
         memory_budget_gb=cfg.get("memory_budget_gb"),
         memory_release_every=cfg.get("memory_release_every"),
+        preflight=cfg.get("preflight", "off"),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
         checkpoint=CheckpointSpec(every=(cfg.get("checkpoint") or {}).get("every", 0),
                                   background=(cfg.get("checkpoint") or {}).get("async", False)),

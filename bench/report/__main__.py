@@ -15,7 +15,19 @@ from rich.console import Console
 
 from bench.collect import collect
 from bench.record import utc_now
-from bench.report import checkpoints, claims, decision, differences, fixed_cost, plots, render, soak, tables, yardstick
+from bench.report import (
+    checkpoints,
+    claims,
+    decision,
+    differences,
+    fixed_cost,
+    plots,
+    prediction,
+    render,
+    soak,
+    tables,
+    yardstick,
+)
 
 GIB = 1024.0**3
 
@@ -53,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         + yardstick.yardstick_tables(collection.rows, collection.cells)
         + soak.soak_table(collection.rows, collection.records)
         + checkpoints.checkpoint_table(collection.rows, collection.cells)
-        + fixed_cost.fixed_cost_table(collection.rows),
+        + fixed_cost.fixed_cost_table(collection.rows)
+        + prediction.prediction_table(collection.records),
         plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))
         + soak.soak_figure(collection.rows, collection.records, os.path.join(out, "plots")),
         tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),

@@ -1,0 +1,107 @@
+"""ColossalChat's (coati's) memory as this adapter runs it, per phase, for the planner (bench.plan). Imports
+no framework.
+
+Roles and lifetimes follow the fidelity table (README): SFT trains the actor with dropout and transformers'
+loss (an fp32 upcast of the logits), RM scores chosen and rejected sequences in one batch; PPO boosts actor
+and critic with their own HybridAdam (moments made at the first step) and the frozen reference and reward
+without an optimizer; dropout is disabled in the actor and critic; experience making joins the actor's and
+the reference's chunked logits into two [B, T, V] tensors alive through the reward and critic calls, with
+no KV cache; the update runs the actor's backward, then the critic's forward and backward, and steps both
+after, so the actor's gradients are alive through the critic's pass. The booster's plugins: data parallel
+with AMP (`3d` at tp = pp = 1) at ZeRO-0 keeps whole fp32 master weights and moments and casts its half
+gradients to fp32 at the step; LowLevelZero (ZeRO-1/2) partitions them and reduces through a 12 M-element
+bucket. LoRA (coati's own) wraps the block linears, the embeddings, the LM head and the value head, drops
+the wrapped linears' biases and trains only the LoRA weights.
+"""
+
+from __future__ import annotations
+
+from bench.plan.physics import Terms, peak, total
+from bench.plan.run_shape import (
+    RunShape,
+    build_transient,
+    forward_backward,
+    forward_only,
+    frozen_state,
+    generation_cache,
+    hf_loss_logits,
+    role_state,
+    without_moments,
+)
+
+REDUCE_BUCKET_ELEMENTS = 12_000_000  # LowLevelZeroPlugin(reduce_bucket_size_in_m=12)
+
+
+def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
+    """(total, trainable) parameters: the trunk, + a value head (h -> 1 with bias) for critic and reward."""
+    arch = shape.arch
+    h = arch.hidden
+    head = role in ("critic", "reward")
+    params = arch.total_params + (h + 1 if head else 0)
+    if not lora:
+        return params, params
+    added = arch.lora_params(lora) + lora * (arch.vocab + h) + lora * (arch.positions + h)
+    added += lora * (h + 1) if head else lora * (h + arch.vocab)
+    dropped_biases = 9 * h * arch.layers + (1 if head else 0)
+    return params + added - dropped_biases, added
+
+
+def _gradients(trainable: float, shape: RunShape) -> Terms:
+    """Half gradients (whole until reduced; partitioned at ZeRO-2) and the fp32 copy the step makes."""
+    dp, zero, vb = shape.data_parallel, shape.zero, shape.value_bytes
+    if not shape.mixed:
+        return Terms(grads=4 * trainable)
+    half = vb * trainable / (dp if zero >= 2 else 1)
+    bucket = vb * min(trainable, REDUCE_BUCKET_ELEMENTS) if zero >= 1 else 0.0
+    return Terms(grads=half + 4 * trainable / (dp if zero >= 1 else 1), buffers=bucket)
+
+
+def predict(shape: RunShape) -> dict[str, Terms]:
+    vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
+    master = shape.mixed
+
+    def trained(role: str, lora: int) -> tuple[Terms, Terms, float]:
+        params, trainable = role_params(shape, role, lora)
+        state = role_state(params, trainable, vb, zero, dp, master)
+        return state, _gradients(trainable, shape), params
+
+    def before_first_step(state: Terms, trainable: float) -> Terms:
+        """HybridAdam makes its moments at the first step; the master copy exists from boosting on."""
+        return without_moments(state, trainable, dp if zero >= 1 else 1)
+
+    if shape.stage in ("sft", "rm"):
+        role = "actor" if shape.stage == "sft" else "reward"
+        state, grads, _ = trained(role, shape.lora)
+        params, trainable = role_params(shape, role, shape.lora)
+        init = peak(before_first_step(state, trainable), build_transient(shape, params))
+        if shape.stage == "sft":
+            work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True)
+        else:
+            work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True)
+        phases = {"init": init, "training": state + grads + work}
+        if shape.stage == "rm":
+            phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
+        return phases
+
+    actor, actor_grads, _ = trained("actor", shape.lora)
+    critic, critic_grads, _ = trained("critic", shape.lora)
+    frozen = total([frozen_state(role_params(shape, role, 0)[0], vb) for role in ("ref", "reward")])
+    resident = actor + critic + frozen
+    seq = shape.seq
+    # the reward model is built last, whole in fp32, while the others are boosted already
+    reward_params = role_params(shape, "reward", 0)[0]
+    init = before_first_step(actor, role_params(shape, "actor", shape.lora)[1]) + before_first_step(
+        critic, role_params(shape, "critic", shape.lora)[1]) + frozen_state(role_params(shape, "ref", 0)[0], vb) \
+        + build_transient(shape, reward_params)
+    # the critic's pass with the actor's gradients still alive (both step after it)
+    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq)
+    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4)
+    heavier = update if update.device >= actor_pass.device else actor_pass
+    return {
+        "init": init,
+        "onload": resident,
+        "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
+        "experience": resident + forward_only(shape, shape.batch, seq, logits_copies=3),
+        "offload": resident,
+        "training": resident + heavier,
+    }

@@ -1,0 +1,41 @@
+"""What DeepSpeed's engine holds per trained model beyond weights and optimizer states (DS-Chat and trlx both
+train through it), for the planner's memory model. Imports no framework.
+
+Read from DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py) and measured with
+scripts/engine_buffers.py: the backward fills each parameter's half-precision `.grad`, copies it into the
+reduce bucket (ZeRO-2 then drops the `.grad`) (`reduce_bucket_size`, 5e8 elements by default; the host counts the pages one step writes,
+about one value per trained parameter) and from there into the rank's fp32 gradient partition. At ZeRO-0
+with bf16 the BF16_Optimizer keeps a whole fp32 gradient per parameter from initialisation on.
+"""
+
+from __future__ import annotations
+
+from bench.plan.physics import Terms
+
+REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
+
+
+def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16") -> Terms:
+    """Gradient bytes of one trained model at the end of its backward on one rank, on top of the eager fp32
+    gradients (eager_gradient_bytes). ZeRO-2 fills and frees its reduce bucket within the backward; ZeRO-3
+    keeps it (resident_buffers)."""
+    # ZeRO-2 copies each half gradient into the bucket as its hook fires and drops it; ZeRO-3 keeps the
+    # rank's partition of them; ZeRO-0/1 keep them whole until the step
+    half = 0.0 if zero == 2 else value_bytes * trainable / (dp if zero >= 3 else 1)
+    fp32 = 0.0 if eager_gradient_bytes(trainable, precision, zero) else 4 * trainable / (dp if zero >= 1 else 1)
+    bucket = value_bytes * min(trainable, REDUCE_BUCKET_ELEMENTS) if zero == 2 else 0.0
+    return Terms(grads=half + fp32, buffers=bucket)
+
+
+def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str) -> Terms:
+    """ZeRO-3's reduce bucket, allocated with the engine and kept: whole on a GPU; on the host only the
+    pages a backward writes (about one value per trained parameter) become resident."""
+    if zero < 3:
+        return Terms()
+    touched = REDUCE_BUCKET_ELEMENTS if device == "cuda" else min(trainable, REDUCE_BUCKET_ELEMENTS)
+    return Terms(buffers=value_bytes * touched)
+
+
+def eager_gradient_bytes(trainable: float, precision: str, zero: int) -> float:
+    """fp32 gradients allocated when the engine is built: the BF16_Optimizer's at ZeRO-0."""
+    return 4 * trainable if (zero == 0 and precision == "bf16") else 0.0

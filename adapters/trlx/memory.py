@@ -1,0 +1,114 @@
+"""trlx's memory as this adapter runs it, per phase, for the planner (bench.plan). Imports no framework.
+
+Roles and lifetimes follow the fidelity table (README). ZeRO-0 is accelerate's DDP with the weights in fp32
+(bf16 through autocast, which keeps a half copy of every weight it casts until the forward ends; DDP's
+reducer holds a bucket per gradient); ZeRO >= 1 is DeepSpeed (adapters/deepspeed_memory.py). Forwards run
+in eval mode (no dropout) but the RM stage's, which stays in train mode. SFT trains the whole LM; RM
+(GPTRewardModel) freezes the bottom 70 % of the blocks; PPO trains one model: the trunk's top
+`num_layers_unfrozen` blocks, the final norm, the position table and a value head (h -> 2h -> 1), with the
+reference as a "hydra" branch (frozen copies of the top blocks, final norm and an untied LM head), or with
+LoRA (peft, on the fused QKV only) the same model with its adapters disabled. Experience making keeps the
+policy's logits, KV cache and hidden states alive through the reference forward (which runs the trunk again);
+the reward function is the RM-stage model on rank 0. The update runs `ppo_epochs` forward/backward passes
+over the whole rollout.
+"""
+
+from __future__ import annotations
+
+from adapters.deepspeed_memory import gradient_terms, resident_buffers
+from bench.plan.physics import Terms, peak
+from bench.plan.run_shape import (
+    RunShape,
+    build_transient,
+    forward_backward,
+    forward_only,
+    frozen_state,
+    generation_cache,
+    hf_loss_logits,
+    role_state,
+)
+
+
+def _unfrozen(shape: RunShape, key: str, default: float) -> int:
+    layers = shape.arch.layers
+    if key == "rm_unfrozen_fraction":
+        return int(shape.options.get(key, default) * layers)
+    value = int(shape.options.get(key, default))
+    return layers if value < 0 else min(value, layers)
+
+
+def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
+    """(total, trainable) parameters of the one trained model of a stage."""
+    arch = shape.arch
+    h = arch.hidden
+    base = arch.total_params
+    if role == "sft":
+        return (base + arch.lora_params(lora) // 4, arch.lora_params(lora) // 4) if lora else (base, base)
+    if role == "rm":
+        if lora:
+            return base + h + arch.lora_params(lora) // 4, arch.lora_params(lora) // 4 + h
+        top = _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
+        return base + h, top * arch.layer_params + 2 * h + arch.embedding_params + h
+    value_head = 2 * h * h + 2 * h + 2 * h + 1
+    if lora:  # peft on c_attn: r * (h + 3h) per block; the reference is the same model, adapters off
+        added = arch.lora_params(lora) // 4 + value_head
+        return base + added, added
+    top = _unfrozen(shape, "num_layers_unfrozen", 2)
+    branch = top * arch.layer_params + 2 * h + arch.vocab * h
+    trainable = top * arch.layer_params + 2 * h + arch.positions * h + value_head
+    return base + branch + value_head, trainable
+
+
+def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Terms]:
+    """(state, gradients) of the trained model: DDP with fp32 weights at ZeRO-0, else DeepSpeed."""
+    vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
+    if zero == 0:
+        state = role_state(params, trainable, 4, 0, dp, master=False)
+        autocast_copies = 2 * params if shape.mixed else 0.0
+        return state, Terms(grads=4 * trainable, buffers=4 * trainable + autocast_copies)
+    state = role_state(params, trainable, vb, zero, dp, master=True) + resident_buffers(trainable, vb, zero,
+                                                                                         shape.device)
+    return state, gradient_terms(trainable, vb, zero, dp, shape.precision)
+
+
+def predict(shape: RunShape) -> dict[str, Terms]:
+    vb = shape.value_bytes
+    fp32_logits = 4 / vb  # one fp32 [B, T, V] tensor in units of the compute dtype
+    role = shape.stage
+    params, trainable = role_params(shape, role, shape.lora)
+    state, grads = _engine(shape, params, trainable)
+    # built whole in fp32 on every rank (ZeRO-3 too: no zero.Init, see the fidelity table); DeepSpeed then
+    # casts it and makes its optimizer states; DDP keeps the fp32 weights and adds its gradient buckets
+    if shape.zero == 0:
+        init = Terms(params=state.params, buffers=4 * trainable)
+    else:  # ZeRO-3's bucket pages become resident at the first backward on the host
+        at_init = state if shape.device == "cuda" else Terms(params=state.params, optimizer=state.optimizer)
+        init = peak(at_init, build_transient(shape, params))
+    if role == "sft":
+        work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape),
+                                linear_inputs=7 if not shape.lora else 1)
+        return {"init": init, "training": state + grads + work}
+    if role == "rm":
+        frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
+        work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True, frozen_layers=frozen,
+                                linear_inputs=7 if not shape.lora else 1)
+        return {"init": init, "training": state + grads + work,
+                "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
+    rm_params = shape.arch.total_params + shape.arch.hidden
+    reward_fn = frozen_state(rm_params, vb)  # rank 0
+    resident = state + reward_fn
+    # the reward function's model is built in fp32 and loads the RM checkpoint's fp32 state dict
+    init = peak(init + reward_fn, state + build_transient(shape, rm_params) + Terms(other=4 * rm_params))
+    seq = shape.seq
+    logits_out = (fp32_logits if shape.zero == 0 and shape.mixed else 1)
+    hidden_states = Terms(activations=2 * (shape.arch.layers + 1) * shape.batch * seq * shape.arch.hidden * vb)
+    frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "num_layers_unfrozen", 2)
+    work = forward_backward(shape, shape.batch, seq, logits_copies=logits_out + 3, frozen_layers=frozen,
+                            linear_inputs=1 if shape.lora else 7)
+    return {
+        "init": init,
+        "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
+        "experience": resident + generation_cache(shape, copies=2) + hidden_states
+        + forward_only(shape, shape.batch, seq, logits_copies=2 * logits_out + 1),
+        "training": resident + grads + work,
+    }

@@ -1,0 +1,119 @@
+"""Predicted against measured: the memory model applied to the configuration of every measured run.
+
+Used by `bench.report` (the predicted-vs-measured table) and `python -m bench.plan.calibrate` (which fits the
+per-framework offsets on a named selection of runs). The model applied is the current one, to each record's
+configuration; a record's own `memory.prediction` keeps what was predicted when it ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bench.plan import calibration
+from bench.plan.calibration import Calibration
+from bench.plan.predict import predict_stage
+from bench.spec import SpecError, spec_from_config
+
+
+@dataclass(frozen=True)
+class Comparison:
+    run: str
+    framework: str
+    stage: str
+    phase: str
+    model: str
+    seed: int
+    regime: str
+    cell: str  # the configuration without its seed: runs that differ only in the seed share it
+    measured: float
+    physics: float
+    predicted: float
+
+    @property
+    def error(self) -> float:
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def error_physics(self) -> float:
+        return (self.physics - self.measured) / self.measured
+
+    @property
+    def key(self) -> str:
+        return calibration.key(self.stage, self.phase, self.regime)
+
+
+def _cell(config: Mapping[str, Any], stage: str) -> str:
+    flat = {k: v for k, v in sorted(config.items()) if k not in ("seed", "run_name", "sweep_name", "output_root")}
+    return f"{stage}:{flat}"
+
+
+def in_selection(config: Mapping[str, Any], selection: Mapping[str, Any]) -> bool:
+    """Whether a run's configuration matches a calibration's selection (dotted keys: model.name, seed, ...)."""
+    for key, wanted in selection.items():
+        value: Any = config
+        for part in key.split("."):
+            value = value.get(part) if isinstance(value, Mapping) else None
+        if value != wanted:
+            return False
+    return True
+
+
+def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
+    """One entry per measured phase of every successful stage of a run that is not a forced failure and
+    whose framework has a memory model. Phases without a host or device figure (an unmeasured, bounded
+    run of the memory tracker) and the `imports` phase (the baseline itself) are left out."""
+    out = []
+    for run, record in sorted(records.items()):
+        config = record.get("config") or {}
+        if record.get("status") != "ok" or "forced-failure" in (config.get("tags") or []):
+            continue
+        try:
+            spec = spec_from_config({**config, "init": {}})
+        except (SpecError, KeyError, TypeError):
+            continue
+        device = (record.get("environment") or {}).get("device") or "cpu"
+        for stage, result in record.get("stages", {}).items():
+            if result.get("status") != "ok":
+                continue
+            predicted = predict_stage(spec, stage, device)
+            if predicted is None:
+                continue
+            for phase, entry in (result.get("memory") or {}).get("phases", {}).items():
+                measured = entry.get("growth_over_baseline_bytes")
+                if phase == "imports" or not measured or phase not in predicted:
+                    continue
+                p = predicted[phase]
+                out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
+                                      calibration.regime(spec.zero, spec.lora), _cell(config, stage), measured,
+                                      p.physics.device, p.predicted))
+    return out
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    runs: int
+    mae_physics: float
+    mae: float
+    worst: Comparison
+    within: int  # runs within the tolerance
+
+    @classmethod
+    def of(cls, rows: Iterable[Comparison], tolerance: float) -> Accuracy | None:
+        rows = list(rows)
+        if not rows:
+            return None
+        worst = max(rows, key=lambda c: abs(c.error))
+        return cls(runs=len(rows), mae_physics=statistics.mean(abs(c.error_physics) for c in rows),
+                   mae=statistics.mean(abs(c.error) for c in rows), worst=worst,
+                   within=sum(abs(c.error) <= tolerance for c in rows))
+
+
+def fitted(comparison: Comparison, records: Mapping[str, dict[str, Any]],
+           calibrations: Mapping[str, Calibration | None]) -> bool:
+    cal = calibrations.get(comparison.framework)
+    if cal is None:
+        return False
+    return in_selection(records[comparison.run].get("config") or {}, cal.fitted_on.get("selection") or {})

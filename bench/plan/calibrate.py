@@ -1,0 +1,104 @@
+"""`python -m bench.plan.calibrate ROOT [--select KEY=VALUE ...] [--dry-run]`: fit each framework's memory
+calibration (bench.plan.calibration) on the selected runs under ROOT and write it next to the framework's
+memory model; print the error before and after, on the fitted runs and on the others.
+
+Example: python -m bench.plan.calibrate results/examples/glm-base --select model.name=glm-base --select seed=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from typing import Any
+
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from adapters import registry
+from bench.collect import collect
+from bench.plan import calibration
+from bench.plan.accuracy import Accuracy, Comparison, comparisons, in_selection
+
+TOLERANCE = 0.15
+
+
+def _selection(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--select {pair!r} must be KEY=VALUE, e.g. seed=1 or model.name=glm-base")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
+def _residuals(rows: list[Comparison]) -> list[calibration.Residual]:
+    return [calibration.Residual(r.key, r.measured, r.physics) for r in rows]
+
+
+def _apply(rows: list[Comparison], cal: calibration.Calibration, device: str) -> list[Comparison]:
+    return [replace(r, predicted=r.physics + cal.offset(r.key, device)) for r in rows]
+
+
+def _leave_one_out(rows: list[Comparison], chosen: set[str], framework: str, device: str) -> list[Comparison]:
+    """Every configuration predicted by a calibration fitted without it: how the offsets carry over to a
+    configuration they never saw (the fitted selection's runs of the other configurations)."""
+    out = []
+    for cell in sorted({r.cell for r in rows}):
+        others = [r for r in rows if r.cell != cell and r.run in chosen]
+        cal = calibration.fit(framework, device, _residuals(others), {})
+        out += _apply([r for r in rows if r.cell == cell], cal, device)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plan.calibrate", description=__doc__.splitlines()[0])
+    parser.add_argument("root")
+    parser.add_argument("--select", action="append", default=[], help="KEY=VALUE a fitted run's config matches")
+    parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
+    args = parser.parse_args(argv)
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    if not os.path.isdir(args.root):
+        console.print(f"[red]{args.root} is not a directory[/red]")
+        return 2
+    selection = _selection(args.select)
+    records = collect(args.root).records
+    rows = comparisons(records)  # with the calibration now in place; physics is what the fit reads
+    if not rows:
+        console.print(f"[red]no successful run of a framework with a memory model under {args.root}[/red]")
+        return 2
+    chosen = {run for run, record in records.items() if in_selection(record.get("config") or {}, selection)}
+    table = Table(title=f"memory model vs measured growth, |error| (tolerance {TOLERANCE:.0%})")
+    for column in ("framework", "runs", "split", "MAE physics", "MAE calibrated", "worst", "within"):
+        table.add_column(column)
+    for framework in sorted({r.framework for r in rows}):
+        mine = [r for r in rows if r.framework == framework]
+        fitted = [r for r in mine if r.run in chosen]
+        if not fitted:
+            console.print(f"[yellow]{framework}: no run matches the selection; its calibration is unchanged[/yellow]")
+            continue
+        device = (records[mine[0].run].get("environment") or {}).get("device") or "cpu"
+        cal = calibration.fit(framework, device, _residuals(fitted), {
+            "source": os.path.normpath(args.root), "selection": selection, "runs": len({r.run for r in fitted})})
+        splits = [("fitted", _apply(fitted, cal, device)),
+                  ("held out", _apply([r for r in mine if r.run not in chosen], cal, device)),
+                  ("leave one configuration out", _leave_one_out(mine, chosen, framework, device))]
+        for split, subset in splits:
+            acc = Accuracy.of(subset, TOLERANCE)
+            if acc is None:
+                continue
+            worst = acc.worst
+            table.add_row(framework, str(acc.runs), split, f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
+                          f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.model} seed {worst.seed})",
+                          f"{acc.within}/{acc.runs}")
+        if not args.dry_run:
+            console.print(f"wrote {calibration.save(cal, registry.package(framework))}")
+    console.print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""A run's predicted memory per phase: the framework's own model (adapters/<framework>/memory.py, loaded
+lazily by name) applied to the run's shape, plus the framework's stated calibration, and the entry a record
+keeps next to its measurement."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from adapters import registry
+from bench.plan import calibration
+from bench.plan.physics import Terms
+from bench.plan.run_shape import RunShape
+from bench.spec import RunSpec
+
+MiB = 2 ** 20
+METHOD = ("bytes each phase adds over the post-import baseline on the busiest rank: the framework's memory model "
+          "(adapters/<framework>/memory.py: parameter counts, dtypes, ZeRO partitioning, the tensors each phase "
+          "keeps alive, the stand-in's saved activations) = physics, plus the framework's calibration offset "
+          "(adapters/<framework>/memory_calibration.json) = predicted; error = (predicted - measured) / measured")
+
+
+@dataclass(frozen=True)
+class PhasePrediction:
+    physics: Terms
+    calibration: float
+
+    @property
+    def predicted(self) -> float:
+        return self.physics.device + self.calibration
+
+
+def physics(spec: RunSpec, stage: str, device: str = "cpu") -> dict[str, Terms] | None:
+    """Bytes each phase of `stage` adds over the post-import baseline on the busiest rank, from the
+    framework's memory model alone; None for a framework without one."""
+    model = registry.memory_model(spec.framework)
+    if model is None:
+        return None
+    return model(RunShape.from_spec(spec, stage, device))
+
+
+def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
+                  calibrated: bool = True) -> dict[str, PhasePrediction] | None:
+    terms = physics(spec, stage, device)
+    if terms is None:
+        return None
+    cal = calibration.load(registry.package(spec.framework)) if calibrated else None
+    regime = calibration.regime(spec.zero, spec.lora)
+    return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device) if cal else 0.0)
+            for phase, t in terms.items()}
+
+
+def record_entry(spec: RunSpec, stage: str, device: str, memory: dict[str, Any]) -> dict[str, Any] | None:
+    """The prediction a stage record keeps beside its measured phases (bench.record's `memory`)."""
+    predicted = predict_stage(spec, stage, device)
+    if predicted is None:
+        return None
+    phases = {}
+    measured_phases = memory.get("phases", {})
+    for phase, p in predicted.items():
+        measured = (measured_phases.get(phase) or {}).get("growth_over_baseline_bytes")
+        entry = {"physics_bytes": {k: round(v) for k, v in p.physics.as_dict().items() if v},
+                 "physics_total_bytes": round(p.physics.device), "calibration_bytes": round(p.calibration),
+                 "predicted_bytes": round(p.predicted), "measured_growth_bytes": measured}
+        if measured:
+            entry["error"] = (p.predicted - measured) / measured
+            entry["error_physics"] = (p.physics.device - measured) / measured
+        phases[phase] = entry
+    return {"method": METHOD, "unit": "bytes", "device": device, "phases": phases}

@@ -1,0 +1,143 @@
+"""What a framework's memory model reads from a run spec, torch-free, and the building blocks it composes.
+
+A framework's model (adapters/<framework>/memory.py, next to the code whose tensors it describes) returns, for
+one stage, the bytes each phase adds over the post-import baseline on the busiest rank, split into terms
+(bench.plan.physics.Terms). The model states come from arithmetic on the roles' parameter counts; the
+transient terms (activations, logits, caches, gradients, buckets) from the shapes the phase runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bench.plan.physics import (
+    LINEAR_INPUTS,
+    Arch,
+    Terms,
+    cache_bytes,
+    dtype_bytes,
+    inference_activation_bytes,
+    logits_bytes,
+    standin_layer_bytes,
+)
+from bench.spec import RunSpec
+
+
+@dataclass(frozen=True)
+class RunShape:
+    arch: Arch
+    stage: str  # sft | rm | ppo
+    precision: str
+    zero: int
+    lora: int
+    batch: int
+    prompt_len: int
+    answer_len: int
+    data_parallel: int
+    tp: int
+    pp: int
+    grad_ckpt: bool
+    offload: bool
+    options: dict[str, Any]
+    dropout: float = 0.0  # the model's dropout; each framework says which roles train with it
+    device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
+
+    @classmethod
+    def from_spec(cls, spec: RunSpec, stage: str, device: str = "cpu") -> RunShape:
+        model = spec.model
+        arch = Arch(hidden=model.hidden, layers=model.layers, heads=model.heads, vocab=model.vocab,
+                    positions=model.positions)
+        return cls(arch=arch, stage=stage, precision=spec.precision, zero=spec.zero, lora=spec.lora,
+                   batch=spec.batch, prompt_len=spec.prompt_len, answer_len=spec.answer_len,
+                   data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
+                   offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
+                   device=device)
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one value in the compute dtype."""
+        return dtype_bytes(self.precision)
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision != "fp32"
+
+    @property
+    def seq(self) -> int:
+        return self.prompt_len + self.answer_len
+
+
+def adam_bytes(trainable: float, master: bool, shard: int = 1) -> float:
+    """Adam's two fp32 moments, plus the fp32 master copy when the weights are half precision."""
+    return (12 if master else 8) * trainable / shard
+
+
+def role_state(params: float, trainable: float, weight_bytes: int, zero: int, dp: int, master: bool) -> Terms:
+    """A role's weights and optimizer states on one rank: weights split at ZeRO-3, optimizer from ZeRO-1."""
+    return Terms(params=params * weight_bytes / (dp if zero >= 3 else 1),
+                 optimizer=adam_bytes(trainable, master, dp if zero >= 1 else 1))
+
+
+def frozen_state(params: float, weight_bytes: int, shard: int = 1) -> Terms:
+    return Terms(params=params * weight_bytes / shard)
+
+
+def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0,
+                     layers: int | None = None, dropout: bool = False,
+                     linear_inputs: float = LINEAR_INPUTS, frozen_layers: int = 0) -> Terms:
+    """A trained forward and backward over `sequences` x `seq` tokens on one rank: what the stand-in's
+    blocks save for the backward (`layers` of them, default all, of which `frozen_layers` keep no linear
+    inputs; with gradient checkpointing only their inputs plus one block rebuilt), the embedding and final
+    LayerNorm outputs, and `logits_copies` [sequences, seq, vocab] tensors counted in units of the compute
+    dtype (an fp32 upcast counts 2 at 16 bits)."""
+    arch = shape.arch
+    vb = shape.value_bytes
+    n = arch.layers if layers is None else layers
+    sbh = sequences * seq * arch.hidden
+    drop = dropout and shape.dropout > 0
+
+    def block(inputs: float) -> float:
+        return standin_layer_bytes(arch, sequences, seq, vb, drop, shape.device, inputs) / shape.tp
+
+    if shape.grad_ckpt:
+        kept = n * 2 * sbh * vb + block(linear_inputs)
+    else:
+        kept = (n - frozen_layers) * block(linear_inputs) + frozen_layers * block(0)
+    # 1F1B: the first pipeline stage holds pp micro-batches of layers/pp blocks, the whole model's worth
+    activations = kept + 3 * sbh * vb
+    return Terms(activations=activations,
+                 logits=logits_copies * logits_bytes(arch, sequences, seq, shape.tp, shape.value_bytes))
+
+
+def forward_only(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0) -> Terms:
+    """A forward without autograd: one block's transient and `logits_copies` [sequences, seq, vocab] tensors."""
+    arch = shape.arch
+    return Terms(activations=inference_activation_bytes(arch, sequences, seq, shape.tp, shape.value_bytes),
+                 logits=logits_copies * logits_bytes(arch, sequences, seq, shape.tp, shape.value_bytes))
+
+
+def generation_cache(shape: RunShape, copies: int = 1) -> Terms:
+    """The KV cache of `copies` forwards over the whole rollout (prompt + answer) of the rank's batch."""
+    return Terms(cache=copies * cache_bytes(shape.arch, shape.batch, shape.seq, shape.tp, shape.pp,
+                                            shape.value_bytes, "kv"))
+
+
+def build_transient(shape: RunShape, params: float) -> Terms:
+    """A model built whole in fp32 (random initialisation or a checkpoint's load) before its engine casts it
+    to the compute dtype: the fp32 copy, plus the cast's new copy of the largest tensor."""
+    largest = shape.arch.largest_layer_params
+    return Terms(other=4 * params + (shape.value_bytes * largest if shape.mixed else 0))
+
+
+def without_moments(state: Terms, trainable: float, shard: int) -> Terms:
+    """A role's state before its first step, for optimizers that make Adam's moments then."""
+    return Terms(params=state.params, optimizer=state.optimizer - 8 * trainable / shard, buffers=state.buffers)
+
+
+def hf_loss_logits(shape: RunShape) -> float:
+    """[B, T, V] tensors, in units of the compute dtype, alive when transformers' causal-LM loss starts its
+    backward (counted by autograd's saved-tensor hooks): the fp32 log-softmax it saved and the gradient
+    flowing back through it, in fp32 and then in the compute dtype. The forward's own logits and their fp32
+    upcast are not kept."""
+    return (2 * 4 + shape.value_bytes) / shape.value_bytes

@@ -1,0 +1,214 @@
+"""The GPU planner: per-role memory by hand, the search on the issue's two clusters, plan files (hostile ones
+too), `--check` and the claims arithmetic."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from bench.plan import claims_arithmetic as arithmetic
+from bench.plan import plan_file
+from bench.plan.cluster import Cluster, Layout, Role, Workload, phase_terms, resident, training
+from bench.plan.physics import Arch
+from bench.plan.search import GIB, plan_with_variants, search
+
+GLM_10B = plan_file.arch_of("glm-10b")[1]
+PSI = GLM_10B.total_params  # 9,876,480,000 + ... (one position table in the stand-in)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_resident_bytes_by_hand():
+    w = Workload()
+    actor = Role("actor", GLM_10B)
+    # ZeRO-2 over 8: bf16 weights whole (2 Psi), optimizer 12 Psi / 8
+    assert resident(actor, Layout(dp=8, zero=2), w).params == 2 * PSI
+    assert resident(actor, Layout(dp=8, zero=2), w).optimizer == pytest.approx(12 * PSI / 8)
+    # tp 4 x pp 2: everything over 8 first; ZeRO-3 over dp 2 on top; its bucket of 5e8 bf16 values
+    r = resident(actor, Layout(tp=4, pp=2, dp=2, zero=3), w)
+    assert r.params == pytest.approx(2 * PSI / 16) and r.optimizer == pytest.approx(12 * PSI / 16)
+    assert r.buffers == 2 * 5e8
+    # offload: the optimizer states and an fp32 gradient per parameter go to the host
+    r = resident(actor, Layout(dp=8, zero=2, offload=True), w)
+    assert r.optimizer == 0 and r.host == pytest.approx(12 * PSI / 8 + 4 * PSI / 8)
+    # a frozen role: weights only; LoRA 8: 16 r h L factors, each with 2 + 2 + 12 bytes
+    assert resident(Role("reference", GLM_10B), Layout(dp=8), w).device == 2 * PSI
+    lora = resident(Role("actor", GLM_10B, lora=8), Layout(dp=8, zero=2), Workload(lora=8))
+    assert lora.lora == GLM_10B.lora_params(8) * 16 and lora.optimizer == 0
+
+
+def test_training_terms_by_hand():
+    w = Workload(micro_batch=1, prompt_len=512, answer_len=512)
+    t = training(Role("critic", GLM_10B), Layout(dp=8, zero=2, recompute=True), w)
+    sbh = 1024 * 4096
+    # 48 layer inputs (2 s b h) + one layer rebuilt (s b h (34 + 5 a s / h) = sbh x (34 + 80))
+    assert t.activations == pytest.approx(48 * 2 * sbh + sbh * (34 + 5 * 64 * 1024 / 4096))
+    assert t.grads == pytest.approx(2 * PSI / 8) and t.logits == 0  # the critic has no vocabulary logits
+    assert t.buffers == 2 * 5e8  # ZeRO-2's reduce bucket, filled and freed within the backward
+
+
+def test_colocated_phases_add_residents_and_take_the_largest_working_set():
+    w = Workload()
+    roles = [(Role(n, GLM_10B), Layout(dp=8, zero=3)) for n in ("actor", "critic", "reference", "reward")]
+    train = phase_terms(roles, "training", w)
+    residents = sum(resident(r, lay, w).device for r, lay in roles)
+    actor_work = training(*roles[0], w).device
+    assert train.device == pytest.approx(residents + actor_work)  # the actor's pass is the larger (logits)
+
+
+def test_glm10b_on_8x8x40_has_a_plan_and_explains_rejections():
+    result = search(GLM_10B, Workload(), Cluster(nodes=8, gpus_per_node=8, gpu_mem_gb=40))
+    assert result.plans and all(p.peak <= 0.9 * 40e9 for p in result.plans)
+    best = result.best
+    assert sum(lay.gpus for name, lay in best.layouts.items() if name == "actor") <= 64
+    assert result.rejected, "the uniform layouts a team tries first must be shown with why they fail"
+    reasons = [line for plan in result.rejected for line in plan.overflows()]
+    assert any("over by" in line and "GiB" in line for line in reasons)
+
+
+def test_glm10b_on_1x8x16_needs_lora_or_offload():
+    results = plan_with_variants(GLM_10B, Workload(), Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=16))
+    assert not results[0].plans, "full fine-tuning of four GLM-10B roles cannot fit 8 x 16 GB"
+    fitting = {r.variant: r.best for r in results[1:] if r.plans}
+    assert any("LoRA" in v for v in fitting) and any("offload" in v for v in fitting)
+    for plan in fitting.values():
+        assert plan.peak <= 0.9 * 16e9
+
+
+def test_dp_is_gpus_over_tp_times_pp():
+    result = search(GLM_10B, Workload(), Cluster(nodes=2, gpus_per_node=8, gpu_mem_gb=80, gpu="A100-80GB"))
+    for plan in result.plans:
+        for group in plan.groups:
+            for name in group.roles:
+                lay = plan.layouts[name]
+                assert lay.tp * lay.pp * lay.dp == group.gpus
+                assert lay.tp <= 8 and GLM_10B.heads % lay.tp == 0
+
+
+@pytest.mark.slow
+def test_planning_1024_gpus_takes_under_a_second():
+    start = time.perf_counter()
+    plan_with_variants(GLM_10B, Workload(global_batch=1024), Cluster(nodes=128, gpus_per_node=8, gpu_mem_gb=80,
+                                                                      gpu="A100-80GB"))
+    assert time.perf_counter() - start < 1.0
+
+
+def _plan(tmp_path, **changes) -> str:
+    with open(os.path.join(ROOT, "conf", "plan", "example-8b.yaml")) as f:
+        data = yaml.safe_load(f)
+    for key, value in changes.items():
+        if key in data["execution_plan"]:
+            data["execution_plan"][key] = value
+        else:
+            data[key] = value
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"actor": {"tp": 3, "dp": 8}}, "must divide the model's 64 attention heads"),
+    ({"actor": {"tp": 1, "dp": 4, "zero": 2}}, "must span the same number"),
+    ({"reward": {"tp": 1, "dp": 8, "zero": 2}}, "a frozen role has no gradients"),
+    ({"reference": {"tp": 1, "dp": 8, "requires_grad": True}}, "is frozen in PPO"),
+    ({"critic": {"stages": ["generation"], "dp": 8}}, "runs exactly"),
+    ({"actor": {"tp": "8", "dp": 1}}, "must be an integer"),
+    ({"actor": {"tp": 1, "dp": 8, "offload": True, "zero": 0}}, "needs a trained role at zero >= 1"),
+    ({"actor": {"dp": 8, "ram": 1}}, "unknown keys"),
+    ({"cluster": {"nodes": 0, "gpus_per_node": 8, "gpu_mem_gb": 40}}, "cluster.nodes=0"),
+    ({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_mem_gb": 40, "gpu": "Z80"}}, "is not known"),
+    ({"model": "glm-99b"}, "is not a model in conf/model"),
+    ({"workload": {"cache": "paged"}}, "workload.cache"),
+])
+def test_hostile_plan_files_are_refused_by_name(tmp_path, change, message):
+    path = _plan(tmp_path, **change)
+    with pytest.raises(plan_file.PlanError, match=message):
+        data = plan_file.read(path)
+        name, arch = plan_file.arch_of(data["model"])
+        cluster = plan_file.cluster_of(data["cluster"])
+        plan_file.workload_of(data.get("workload"))
+        plan_file.layouts_of(data["execution_plan"], arch, arch, cluster)
+
+
+def test_unreadable_plan_files(tmp_path):
+    for text, message in (("execution_plan: [", "not valid YAML"), ("- a\n- b\n", "must be a mapping"),
+                          ("execution_plan: {}\nextra: 1\n", "unknown keys")):
+        path = tmp_path / "p.yaml"
+        path.write_text(text)
+        with pytest.raises(plan_file.PlanError, match=message):
+            plan_file.read(str(path))
+    with pytest.raises(plan_file.PlanError, match="is not a file"):
+        plan_file.read(str(tmp_path / "missing.yaml"))
+    big = tmp_path / "big.yaml"
+    big.write_text("#" * (plan_file.MAX_FILE_BYTES + 1))
+    with pytest.raises(plan_file.PlanError, match="at most"):
+        plan_file.read(str(big))
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "bench.plan", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.engine
+def test_cli_plans_writes_yaml_and_check_reads_it_back(tmp_path):
+    out = tmp_path / "plan.yaml"
+    done = _cli("model=glm-10b", "cluster.nodes=8", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=40", f"out={out}")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "placement(s) fit" in done.stdout and "rejected" in done.stdout
+    written = yaml.safe_load(out.read_text())
+    assert set(written["execution_plan"]) == {"actor", "critic", "reference", "reward"}
+    assert written["predicted"]["peak_gib_per_gpu"] <= written["predicted"]["limit_gib"]
+    checked = _cli("--check", f"plan={out}")
+    assert checked.returncode == 0 and "fits" in checked.stdout
+
+
+@pytest.mark.engine
+def test_cli_check_says_what_runs_out_and_what_fixes_it():
+    done = _cli("--check", "plan=conf/plan/example-8b.yaml")
+    assert done.returncode == 1
+    assert "does not fit" in done.stdout and "over by" in done.stdout
+    assert "recomputation on" in done.stdout and "together:" in done.stdout
+
+
+@pytest.mark.engine
+def test_cli_small_cluster_proposes_variants():
+    done = _cli("cluster.nodes=1", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=16", "out=/dev/null")
+    assert done.returncode == 0
+    assert "No plan fits" in done.stdout and "LoRA" in done.stdout and "offload" in done.stdout
+
+
+@pytest.mark.engine
+def test_cli_refuses_bad_input():
+    assert _cli("--check").returncode == 2
+    assert _cli("cluster.nodes=-1").returncode == 2
+    assert _cli("--frobnicate").returncode == 2
+    done = _cli("cluster.gpu=V100-32GB", "cluster.gpu_mem_gb=32")
+    assert done.returncode == 2 and "bf16" in done.stdout
+
+
+def test_claims_arithmetic_by_hand():
+    # A3: four GLM-10B roles, ZeRO-2 over 8: 2 x (2 Psi + 14 Psi / 8) + 2 x 2 Psi of model states, plus the
+    # actor's recomputed activations (48 x 2 s b h + one layer) and its bf16 gradient share 2 Psi / 8
+    setting = arithmetic.Setting(GLM_10B, "ppo", gpus=8, zero=2, micro_batch=4, seq=512)
+    sbh = 4 * 512 * 4096
+    states = 2 * (2 * PSI + 12 * PSI / 8) + 2 * 2 * PSI
+    working = 2 * PSI / 8 + 48 * 2 * sbh + sbh * (34 + 5 * 64 * 512 / 4096)
+    assert arithmetic.lower_bound(setting) == pytest.approx(states + working)
+    verdict, evidence = arithmetic.memory_figures(setting, {"DeepSpeed-Chat": 28.9})
+    assert verdict == arithmetic.IMPLAUSIBLE and "ZeRO-3 + LoRA" in evidence
+    assert arithmetic.memory_figures(setting, {"big": 200.0})[0] == arithmetic.CONSISTENT
+    assert arithmetic.batch_arithmetic(32, 4, 4, 8)[0] == arithmetic.IMPLAUSIBLE  # 4 x 4 x 8 = 128
+    assert arithmetic.batch_arithmetic(256, 4, 8, 8)[0] == arithmetic.CONSISTENT
+    assert arithmetic.dtype_support("V100-32GB", "bf16")[0] == arithmetic.IMPLAUSIBLE
+    assert arithmetic.dtype_support("A100-80GB", "bf16")[0] == arithmetic.CONSISTENT
+
+
+def test_a_small_arch_is_accepted_inline():
+    name, arch = plan_file.arch_of({"hidden": 64, "layers": 2, "heads": 4, "vocab": 100, "positions": 32})
+    assert name == "custom" and arch == Arch(64, 2, 4, 100, 32)
+    assert GIB == 2**30

@@ -1,0 +1,86 @@
+"""Each framework's memory model (adapters/<framework>/memory.py): its parameter counts and its model-state
+bytes against what the adapters' engines hold, as the curated glm-base records measured them (the numbers in
+this file are copied from those records' `params` and `model_state`), and its phases and terms."""
+
+from __future__ import annotations
+
+import pytest
+
+from adapters.colossalai import memory as coati
+from adapters.dschat import memory as dschat
+from adapters.trlx import memory as trlx
+from bench.config import compose
+from bench.plan.predict import physics, record_entry
+from bench.plan.run_shape import RunShape
+from bench.spec import spec_from_config
+
+BASE = ["model=glm-base", "prompt_len=128", "answer_len=128", "batch=2", "launcher.nproc=2", "precision=bf16"]
+
+
+def shape(framework: str, stage: str, *overrides: str) -> RunShape:
+    spec = spec_from_config(compose([f"framework={framework}", f"stage={stage}", *BASE, *overrides]))
+    return RunShape.from_spec(spec, stage)
+
+
+def state_mib(terms) -> float:
+    return (terms.params + terms.optimizer) / 2**20
+
+
+def test_parameter_counts_match_the_records():
+    s = shape("dschat", "sft", "lora=64", "zero=2")
+    # DS-Chat LoRA 64: + 16 x 64 x 768 x 12 = 9,437,184; the wrapped 12 h^2 per block freeze
+    assert dschat.role_params(s, "actor", 64) == (118_381_056, 33_446_400)
+    assert dschat.role_params(s, "critic", 0) == (108_944_640, 108_944_640)  # + a bias-free value head
+    s = shape("colossalai", "sft", "lora=64", "zero=2")
+    # coati: blocks, both embeddings and the LM head get LoRA; the block linears lose their biases
+    assert coati.role_params(s, "actor", 64) == (122_394_112, 13_533_184)
+    assert coati.role_params(s, "critic", 64) == (120_437_056, 11_575_360)
+    s = shape("trlx", "ppo", "zero=2")
+    # hydra: + the top 2 blocks, final norm and an untied LM head; value head h -> 2h -> 1
+    assert trlx.role_params(s, "ppo", 0) == (147_798_529, 15_753_217)
+    assert trlx.role_params(s, "ppo", 64) == (112_485_889, 3_542_017)  # peft on c_attn only
+    assert trlx.role_params(s, "rm", 0)[1] == 45_153_792  # the top 3 blocks, embeddings, norm, head
+
+
+@pytest.mark.parametrize("framework, stage, overrides, mib", [
+    # rank 0's parameter + optimizer bytes in the records (MiB), summed over the stage's roles
+    ("dschat", "ppo", ("zero=2",), 2078.4),
+    ("dschat", "ppo", ("zero=3",), 1662.8),
+    ("dschat", "sft", ("zero=2", "lora=64"), 417.2),
+    ("colossalai", "ppo", ("zero=2",), 2078.4),
+    ("colossalai", "rm", ("zero=2", "lora=64"), 295.9),
+    ("trlx", "sft", ("zero=0",), 1246.8),
+    ("trlx", "rm", ("zero=2",), 466.5),
+])
+def test_model_state_matches_the_engines(framework, stage, overrides, mib):
+    terms = physics(spec_from_config(compose([f"framework={framework}", f"stage={stage}", *BASE, *overrides])),
+                    stage)
+    assert state_mib(terms["training"]) == pytest.approx(mib, abs=1.0)
+
+
+def test_phases_are_the_adapters_own():
+    spec = spec_from_config(compose(["framework=colossalai", "stage=ppo", *BASE, "zero=2"]))
+    assert list(physics(spec, "ppo")) == ["init", "onload", "generation", "experience", "offload", "training"]
+    spec = spec_from_config(compose(["framework=dschat", "stage=rm", *BASE, "zero=2"]))
+    assert list(physics(spec, "rm")) == ["init", "training", "evaluation"]
+
+
+def test_zero3_bucket_is_whole_on_a_gpu_and_touched_pages_on_the_host():
+    spec = spec_from_config(compose(["framework=dschat", "stage=sft", *BASE, "zero=3"]))
+    cpu, cuda = physics(spec, "sft", "cpu")["training"], physics(spec, "sft", "cuda")["training"]
+    # 5e8 bf16 values on the GPU; on the host one value per trained parameter (108,943,872 x 2 B)
+    assert cuda.buffers - cpu.buffers == pytest.approx(2 * (500_000_000 - 108_943_872))
+
+
+def test_record_entry_keeps_terms_and_errors():
+    spec = spec_from_config(compose(["framework=dschat", "stage=sft", *BASE, "zero=2"]))
+    predicted = physics(spec, "sft")["training"].device
+    memory = {"phases": {"training": {"growth_over_baseline_bytes": 2 * 10**9}, "imports": {}}}
+    entry = record_entry(spec, "sft", "cpu", memory)
+    training = entry["phases"]["training"]
+    assert training["physics_total_bytes"] == round(predicted)
+    assert training["predicted_bytes"] == training["physics_total_bytes"] + training["calibration_bytes"]
+    assert training["error"] == pytest.approx((training["predicted_bytes"] - 2e9) / 2e9)
+    assert "error" not in entry["phases"]["init"]  # nothing measured for it here
+    assert set(training["physics_bytes"]) <= {"params", "grads", "optimizer", "activations", "logits", "cache",
+                                              "buffers", "lora", "other", "host"}
