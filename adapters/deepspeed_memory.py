@@ -2,10 +2,10 @@
 train through it), for the planner's memory model. Imports no framework.
 
 Read from DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py) and measured with
-scripts/engine_buffers.py: the backward fills each parameter's half-precision `.grad`, copies it into the
-reduce bucket (ZeRO-2 then drops the `.grad`) (`reduce_bucket_size`, 5e8 elements by default; the host counts the pages one step writes,
-about one value per trained parameter) and from there into the rank's fp32 gradient partition. At ZeRO-0
-with bf16 the BF16_Optimizer keeps a whole fp32 gradient per parameter from initialisation on.
+scripts/engine_buffers.py: the backward fills each parameter's half-precision `.grad` and copies it into the
+reduce bucket (`reduce_bucket_size`, 5e8 elements by default; the host counts the pages one step writes, about
+one value per trained parameter; ZeRO-2 then drops the `.grad`), and from there into the rank's fp32 gradient
+partition. At ZeRO-0 with bf16 the BF16_Optimizer keeps a whole fp32 gradient per parameter.
 """
 
 from __future__ import annotations
