@@ -22,13 +22,15 @@ from bench.spec import SpecError, UnsupportedError, spec_from_config
 PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "--version",
                     "--shell-completion", "-sc")
 MULTIRUN_FLAGS = ("-m", "--multirun")
+# Config groups under conf/ that are not a run's: execution plans, read by `python -m bench.plan --check`.
+NOT_RUN_GROUPS = ("plan",)
 
 
 def config_groups() -> dict[str, tuple[str, ...]]:
     """Each config group under conf/ and its choices (framework: colossalai, dschat, trlx; ...)."""
     return {
         group.name: tuple(sorted(p.stem for p in group.glob("*.yaml")))
-        for group in sorted(CONF_DIR.iterdir()) if group.is_dir()
+        for group in sorted(CONF_DIR.iterdir()) if group.is_dir() and group.name not in NOT_RUN_GROUPS
     }
 
 
@@ -94,6 +96,9 @@ def check_command_line(args: list[str]) -> None:
         key = override.key_or_group
         if key.split("/")[0].split(".")[0] == "hydra":
             continue
+        if key in NOT_RUN_GROUPS:
+            raise SpecError(f"{key}={override.value()!r}: execution plans are checked by `python -m bench.plan "
+                            f"--check plan=FILE`; a run takes preflight=on|shrink to be checked before launch")
         if override.is_add() or override.is_force_add() or override.is_delete():
             sign = "~" if override.is_delete() else "+"
             raise SpecError(f"{sign}{key}: rlhf-bench reads only the keys of its configuration; set a key with "

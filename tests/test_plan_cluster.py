@@ -113,6 +113,7 @@ def _plan(tmp_path, **changes) -> str:
 @pytest.mark.parametrize("change, message", [
     ({"actor": {"tp": 3, "dp": 8}}, "must divide the model's 64 attention heads"),
     ({"actor": {"tp": 1, "dp": 4, "zero": 2}}, "must span the same number"),
+    ({"actor": {"dp": 4, "zero": 2, "group": "a"}}, "span 12 GPUs"),
     ({"reward": {"tp": 1, "dp": 8, "zero": 2}}, "a frozen role has no gradients"),
     ({"reference": {"tp": 1, "dp": 8, "requires_grad": True}}, "is frozen in PPO"),
     ({"critic": {"stages": ["generation"], "dp": 8}}, "runs exactly"),
@@ -122,6 +123,8 @@ def _plan(tmp_path, **changes) -> str:
     ({"cluster": {"nodes": 0, "gpus_per_node": 8, "gpu_mem_gb": 40}}, "cluster.nodes=0"),
     ({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_mem_gb": 40, "gpu": "Z80"}}, "is not known"),
     ({"model": "glm-99b"}, "is not a model in conf/model"),
+    ({"judge": {"dp": 8}}, "unknown keys \\['judge'\\]"),
+    ({"execution_plan": {"actor": {"dp": 8}}}, "missing"),
     ({"workload": {"cache": "paged"}}, "workload.cache"),
 ])
 def test_hostile_plan_files_are_refused_by_name(tmp_path, change, message):
@@ -183,6 +186,25 @@ def test_cli_small_cluster_proposes_variants():
 
 
 @pytest.mark.engine
+@pytest.mark.parametrize("change, message", [
+    ({"execution_plan": {"judge": {"dp": 8}}}, "unknown"),
+    ({"execution_plan": {"actor": {"tp": 3, "dp": 8}}}, "must divide the model's 64 attention heads"),
+    ({"cluster": {"nodes": 2}}, "span 8 GPUs"),
+])
+def test_cli_refuses_hostile_plan_files_with_exit_2_and_writes_nothing(tmp_path, change, message):
+    with open(os.path.join(ROOT, "conf", "plan", "example-8b.yaml")) as f:
+        data = yaml.safe_load(f)
+    for key, value in change.items():
+        for inner, v in value.items():
+            data[key][inner] = {**data[key].get(inner, {}), **v} if isinstance(data[key].get(inner), dict) else v
+    path = tmp_path / "plan.yaml"
+    path.write_text(yaml.safe_dump(data))
+    done = _cli("--check", f"plan={path}")
+    assert done.returncode == 2 and message in done.stdout.replace("\n", " "), done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == ["plan.yaml"]
+
+
+@pytest.mark.engine
 def test_cli_refuses_bad_input():
     assert _cli("--check").returncode == 2
     assert _cli("cluster.nodes=-1").returncode == 2
@@ -212,3 +234,32 @@ def test_a_small_arch_is_accepted_inline():
     name, arch = plan_file.arch_of({"hidden": 64, "layers": 2, "heads": 4, "vocab": 100, "positions": 32})
     assert name == "custom" and arch == Arch(64, 2, 4, 100, 32)
     assert GIB == 2**30
+
+
+def test_hybrid_engine_generation_gathers_the_weights_into_its_own_layout():
+    w = Workload(micro_batch=2)
+    actor = Role("actor", GLM_10B)
+    he = Layout(dp=8, zero=3, generation_tp=4)
+    assert he.generation == Layout(tp=4, pp=1, dp=2) and "gen d2p1m4" in he.notation
+    from bench.plan.cluster import generation
+    g = generation(actor, he, w)
+    # the whole model gathered into 4 shards (2 Psi / 4), the KV cache split 4 ways
+    assert g.buffers == pytest.approx(2 * PSI / 4)
+    assert g.cache == pytest.approx(2 * 48 * 4096 * 2 * 2 * 1024 / 4)
+    plain = generation(actor, Layout(dp=8, zero=3), w)
+    assert plain.buffers == pytest.approx(2 * 2 * GLM_10B.largest_layer_params)  # a layer and its prefetch
+
+
+def test_plan_files_round_trip(tmp_path):
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=80, gpu="A100-80GB")
+    layouts = {"actor": Layout(2, 1, 4, 3, False, True, 8), "critic": Layout(2, 1, 4, 3),
+               "reference": Layout(8, 1, 1), "reward": Layout(8, 1, 1)}
+    groups = (("actor", "critic", "reference", "reward"),)
+    doc = plan_file.document("glm-10b", None, cluster, Workload(), "colocated", layouts, groups, {})
+    path = tmp_path / "p.yaml"
+    plan_file.write(doc, str(path), "# test\n")
+    data = plan_file.read(str(path))
+    again, again_groups = plan_file.layouts_of(data["execution_plan"], GLM_10B, GLM_10B, plan_file.cluster_of(
+        data["cluster"]))
+    assert again == layouts and again_groups == groups
+    assert "actor: {stages: [generation, inference, training]" in path.read_text()

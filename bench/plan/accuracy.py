@@ -28,6 +28,7 @@ class Comparison:
     seed: int
     regime: str
     cell: str  # the configuration without its seed: runs that differ only in the seed share it
+    label: str  # the configuration in a few words
     measured: float
     physics: float
     predicted: float
@@ -48,6 +49,12 @@ class Comparison:
 def _cell(config: Mapping[str, Any], stage: str) -> str:
     flat = {k: v for k, v in sorted(config.items()) if k not in ("seed", "run_name", "sweep_name", "output_root")}
     return f"{stage}:{flat}"
+
+
+def _label(spec: Any) -> str:
+    lora = f" LoRA {spec.lora}" if spec.lora else ""
+    return (f"{spec.model.name} ZeRO-{spec.zero}{lora} {spec.precision} {spec.launcher.nproc} rank(s) "
+            f"seed {spec.seed}")
 
 
 def in_selection(config: Mapping[str, Any], selection: Mapping[str, Any]) -> bool:
@@ -87,8 +94,8 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
                     continue
                 p = predicted[phase]
                 out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
-                                      calibration.regime(spec.zero, spec.lora), _cell(config, stage), measured,
-                                      p.physics.device, p.predicted))
+                                      calibration.regime(spec.zero, spec.lora), _cell(config, stage),
+                                      _label(spec), measured, p.physics.device, p.predicted))
     return out
 
 

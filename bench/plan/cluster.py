@@ -134,15 +134,25 @@ class Layout:
     zero: int = 0
     offload: bool = False
     recompute: bool = False
+    generation_tp: int = 0  # the actor only: generate on its own tensor-parallel layout (0 = the same)
 
     @property
     def gpus(self) -> int:
         return self.tp * self.pp * self.dp
 
     @property
+    def generation(self) -> Layout:
+        """The layout generation runs on: DS-Chat's Hybrid Engine gathers the trained weights into
+        `generation_tp`-way tensor-parallel shards (pipeline 1, the rest data parallel) for the rollout."""
+        if not self.generation_tp:
+            return self
+        return Layout(tp=self.generation_tp, pp=1, dp=self.gpus // self.generation_tp)
+
+    @property
     def notation(self) -> str:
         """ReaL's d{dp}p{pp}m{tp}, then the ZeRO stage and the switches that are on."""
-        extra = "".join((" offload" if self.offload else "", " recompute" if self.recompute else ""))
+        extra = "".join((" offload" if self.offload else "", " recompute" if self.recompute else "",
+                         f" gen d{self.generation.dp}p1m{self.generation_tp}" if self.generation_tp else ""))
         return f"d{self.dp}p{self.pp}m{self.tp} z{self.zero}{extra}"
 
 
@@ -252,15 +262,17 @@ def experience_keep(role: Role, layout: Layout, workload: Workload) -> Terms:
 
 def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     """On top of `resident`, the actor decoding a micro-batch: its cache at the full rollout length, the
-    prefill's working set and the last step's fp32 logits."""
+    prefill's working set and the last step's fp32 logits; with a generation layout of its own (the Hybrid
+    Engine) also the weights gathered into that layout's shards."""
     arch, vb = role.arch, workload.value_bytes
-    b, t = workload.micro_batch, layout.tp
-    cache = cache_bytes(arch, b, workload.seq, t, layout.pp, vb, workload.cache)
+    gen = layout.generation
+    b, t = workload.micro_batch, gen.tp
+    cache = cache_bytes(arch, b, workload.seq, t, gen.pp, vb, workload.cache)
     prefill = workload.prompt_len * b * 6 * arch.hidden / t * vb
     if not workload.flash_attention:
         prefill += 2 * b * arch.heads / t * workload.prompt_len ** 2 * vb
-    return Terms(cache=cache, activations=prefill, logits=b * arch.vocab / t * 4,
-                 buffers=_gathered(role, layout, workload))
+    gathered = role.params * vb / t if layout.generation_tp else _gathered(role, layout, workload)
+    return Terms(cache=cache, activations=prefill, logits=b * arch.vocab / t * 4, buffers=gathered)
 
 
 TRANSIENT = {"generation": generation, "inference": inference, "training": training}

@@ -11,7 +11,9 @@ Per role and phase, seconds = compute + communication, the phases of a PPO step 
   nodes once tp x dp exceeds a node), plus 10 us (inside) / 30 us (across) per collective: gradient
   reduction per optimizer step, ZeRO-3's parameter gathers for every forward and backward (every decoded
   token when generating), tensor parallelism's 2 all-reduces per layer per forward (4 with the backward);
-- offload: the gradients to the host and the weights back over PCIe, and the host's Adam at 20 GB/s.
+- offload: the gradients to the host and the weights back over PCIe, and the host's Adam at 20 GB/s;
+- a generation layout of its own (the Hybrid Engine): the actor's weights gathered into it once per step
+  (each GPU receives its generation shard), then decoding as above on that layout.
 Parameter reallocation between phases, overlap of communication with compute and kernel efficiency by
 shape are not modelled.
 """
@@ -52,6 +54,13 @@ def phase_seconds(role: Role, layout: Layout, workload: Workload, cluster: Clust
     stage_weights = role.params * vb / (tp * pp)
     layers_here = arch.layers / pp
     attention = 4 * arch.layers * workload.seq * arch.hidden
+    if phase == "generation" and layout.generation_tp:
+        # the Hybrid Engine: gather the trained shards into the generation layout once, then decode on it
+        gen = layout.generation
+        weights = role.params * vb / gen.tp
+        bandwidth, latency = _bandwidth(cluster, layout.gpus)
+        reshard = weights / bandwidth + arch.layers * latency
+        return reshard + phase_seconds(role, gen, workload, cluster, phase)
     if phase == "generation":
         prompts = workload.global_batch * workload.prompt_len
         prefill = (2 * n + attention) * prompts / (gpus * peak) * fill

@@ -12,7 +12,9 @@
 
 Optional per role: `offload` (ZeRO-Offload of the optimizer; with ZeRO-3 the weights too), `recompute`
 (activation recomputation), `group` (roles with the same group share GPUs; default `all`: every role on
-every GPU). Every value is checked; an error names the key, the value and what is allowed.
+every GPU), and for the actor `generation_tp` (generate on a tensor-parallel layout of its own, as
+DS-Chat's Hybrid Engine does: the weights gathered into it for the rollout). Every value is checked; an
+error names the key, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from bench.plan.cluster import ROLE_PHASES, ROLES, Cluster, Layout, Workload
 from bench.plan.physics import Arch
 
 MODEL_KEYS = ("hidden", "layers", "heads", "vocab", "positions")
-ROLE_KEYS = ("stages", "tp", "pp", "dp", "zero", "requires_grad", "offload", "recompute", "group")
+ROLE_KEYS = ("stages", "tp", "pp", "dp", "zero", "requires_grad", "offload", "recompute", "group",
+             "generation_tp")
 TOP_KEYS = ("model", "critic_model", "cluster", "workload", "placement", "predicted", "execution_plan")
 MAX_FILE_BYTES = 1 << 20
 CONF_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
@@ -136,10 +139,14 @@ def layouts_of(plan: Any, arch: Arch, critic_arch: Arch, cluster: Cluster
         if offload and (not trained or zero == 0):
             raise PlanError(f"execution_plan.{role}.offload=true needs a trained role at zero >= 1")
         recompute = _bool(role, "recompute", entry.get("recompute", False))
+        generation_tp = _int(role, "generation_tp", entry.get("generation_tp", 0), 0, cluster.gpus_per_node)
+        if generation_tp and (role != "actor" or shape.heads % generation_tp or (tp * pp * dp) % generation_tp):
+            raise PlanError(f"execution_plan.{role}.generation_tp={generation_tp}: only the actor generates; its "
+                            f"generation tp must divide the {shape.heads} heads and its {tp * pp * dp} GPUs")
         group = entry.get("group", "all")
         if not isinstance(group, str) or not group:
             raise PlanError(f"execution_plan.{role}.group={group!r} must be a name")
-        layouts[role] = Layout(tp, pp, dp, zero, offload, recompute)
+        layouts[role] = Layout(tp, pp, dp, zero, offload, recompute, generation_tp)
         groups.setdefault(group, []).append(role)
     used = 0
     for name, members in groups.items():
@@ -149,9 +156,12 @@ def layouts_of(plan: Any, arch: Arch, critic_arch: Arch, cluster: Cluster
             raise PlanError(f"group {name!r}: roles sharing GPUs must span the same number of them (tp x pp x dp: "
                             f"{shown})")
         used += sizes.pop()
-    if used > cluster.gpus:
-        raise PlanError(f"the plan's groups span {used} GPUs; the cluster has {cluster.gpus} "
-                        f"({cluster.nodes} x {cluster.gpus_per_node})")
+    if used != cluster.gpus:
+        shown = "; ".join(f"{name}: {'+'.join(m)} on {layouts[m[0]].tp} x {layouts[m[0]].pp} x {layouts[m[0]].dp}"
+                          for name, m in groups.items())
+        raise PlanError(f"the plan's layouts span {used} GPUs (tp x pp x dp per group of roles sharing GPUs: "
+                        f"{shown}); the cluster has {cluster.gpus} ({cluster.nodes} x {cluster.gpus_per_node}): "
+                        "dp = GPUs / (tp x pp), or give roles on separate GPUs their own `group`")
     return layouts, tuple(tuple(m) for m in groups.values())
 
 
@@ -186,6 +196,8 @@ def document(model: str | dict[str, Any], critic_model: str | dict[str, Any] | N
             entry["offload"] = True
         if lay.recompute:
             entry["recompute"] = True
+        if lay.generation_tp:
+            entry["generation_tp"] = lay.generation_tp
         if group_of[role] != "all":
             entry["group"] = group_of[role]
         plan[role] = entry

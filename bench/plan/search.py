@@ -4,7 +4,9 @@ A placement splits the cluster's GPUs evenly among groups of colocated roles: al
 (`colocated`, as DS-Chat and ColossalChat run), actor + reference and critic + reward apart (`split`), or each
 role on its own quarter (`separate`). In each group every role gets a layout (tp x pp x dp = the group's GPUs;
 tp inside a node and dividing the heads; pp dividing the layers; a ZeRO stage, 0 or 3 for frozen roles;
-recomputation for trained roles; optimizer offload only in the offload variants). Per role only layouts on
+recomputation for trained roles; optimizer offload only in the offload variants; for the actor, a tensor-
+parallel generation layout of its own inside a node, as DS-Chat's Hybrid Engine gathers ZeRO-3 shards for
+the rollout). Per role only layouts on
 the Pareto front of (resident bytes, each phase's working set, seconds) survive, the fastest few of them;
 the product over a group's roles is then checked phase by phase against the limit (cluster.safety x the
 device) and the host memory of a node, and ranked by the summed phase times (bench.plan.cost).
@@ -50,6 +52,7 @@ class Option:
     working: tuple[float, ...]  # per phase in PHASES: what the role adds while it runs it (0 if it does not)
     keep: float  # experience outputs alive through the other forwards
     seconds: float
+    host: float  # offloaded bytes per GPU in host memory
 
 
 @dataclass
@@ -154,7 +157,18 @@ def layouts_for(role: Role, gpus: int, workload: Workload, cluster: Cluster, off
                     continue  # nothing to partition over
                 for recompute in ((False, True) if role.trained else (False,)):
                     for off in ((False, True) if offload and role.trained and zero >= 1 else (False,)):
-                        yield Layout(tp, pp, dp, zero, off, recompute)
+                        for gen_tp in _generation_tps(role, tp, pp, gpus, cluster):
+                            yield Layout(tp, pp, dp, zero, off, recompute, gen_tp)
+
+
+def _generation_tps(role: Role, tp: int, pp: int, gpus: int, cluster: Cluster) -> list[int]:
+    """The actor may generate on a tensor-parallel layout of its own inside a node (the Hybrid Engine):
+    0 (its training layout) or a tp that divides the heads and differs from that layout."""
+    if role.name != "actor":
+        return [0]
+    extra = [t for t in _powers(min(cluster.gpus_per_node, gpus)) if role.arch.heads % t == 0 and gpus % t == 0
+             and (t, 1) != (tp, pp)]
+    return [0, *extra]
 
 
 def _option(role: Role, layout: Layout, workload: Workload, cluster: Cluster) -> Option:
@@ -162,19 +176,24 @@ def _option(role: Role, layout: Layout, workload: Workload, cluster: Cluster) ->
                     for p in PHASES)
     keep = experience_keep(role, layout, workload).device if "inference" in ROLE_PHASES[role.name] else 0.0
     seconds = sum(phase_seconds(role, layout, workload, cluster, p) for p in PHASES)
-    return Option(layout, resident(role, layout, workload).device, working, keep, seconds)
+    held = resident(role, layout, workload)
+    return Option(layout, held.device, working, keep, seconds, held.host)
 
 
-def _dominates(a: Option, b: Option) -> bool:
-    va = (a.resident, *a.working, a.keep, a.seconds)
-    vb = (b.resident, *b.working, b.keep, b.seconds)
-    return all(x <= y for x, y in zip(va, vb, strict=True)) and va != vb
+def _vector(o: Option) -> tuple[float, ...]:
+    return (o.seconds, o.resident, *o.working, o.keep)
 
 
 def front(role: Role, gpus: int, workload: Workload, cluster: Cluster, offload: bool) -> list[Option]:
-    options = [_option(role, lay, workload, cluster) for lay in layouts_for(role, gpus, workload, cluster, offload)]
-    pareto = [o for o in options if not any(_dominates(p, o) for p in options)]
-    pareto.sort(key=lambda o: o.seconds)
+    """The layouts no other layout beats in every phase's bytes and in time, the fastest FRONT_CAP of them
+    plus the leanest. Sorted by (seconds, bytes...), a layout can only be dominated by one before it."""
+    options = sorted((_option(role, lay, workload, cluster) for lay in layouts_for(role, gpus, workload, cluster,
+                                                                                   offload)), key=_vector)
+    pareto: list[Option] = []
+    for option in options:
+        mine = _vector(option)
+        if not any(all(x <= y for x, y in zip(_vector(p), mine, strict=True)) for p in pareto):
+            pareto.append(option)
     kept = pareto[:FRONT_CAP]
     leanest = min(pareto, key=lambda o: o.resident + max(o.working), default=None)
     if leanest is not None and leanest not in kept:
@@ -230,7 +249,7 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
                 evaluated += 1
                 peak = _group_phase_bytes(combo, names)
                 seconds = sum(o.seconds for o in combo)
-                host = sum(resident(roles[n], o.layout, workload).host for n, o in zip(names, combo, strict=True))
+                host = sum(o.host for o in combo)
                 if lean is None or peak < lean[0]:
                     lean = (peak, combo)
                 if peak <= cluster.limit_bytes and host * cluster.gpus_per_node <= cluster.safety * \

@@ -29,9 +29,14 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
         body.append([framework, stage, phase, "fitted" if was_fitted else "held out", str(acc.runs),
                      f"{statistics.median(m.measured for m in members) / MIB:,.0f}",
                      f"{statistics.median(m.predicted for m in members) / MIB:,.0f}",
-                     f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}", f"{worst.error:+.1%} ({worst.model}, {worst.run})",
+                     f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}", f"{worst.error:+.1%} ({worst.label})",
                      f"{acc.within}/{acc.runs}"])
     overall = Accuracy.of(rows, TOLERANCE)
+    unfitted = [r for r in rows if not fitted(r, records, cals)]
+    per_model = "; ".join(
+        f"{model}: {acc.runs} figures, MAE {acc.mae:.1%}, worst {acc.worst.error:+.1%}, {acc.within} within"
+        for model in sorted({r.model for r in unfitted})
+        if (acc := Accuracy.of([r for r in unfitted if r.model == model], TOLERANCE)) is not None)
     sources = "; ".join(f"{f}: {c.fitted_on.get('source')} where {c.fitted_on.get('selection')} "
                         f"({c.fitted_on.get('runs')} runs)" for f, c in sorted(cals.items()) if c)
     caption = ("Growth over the post-import baseline on the busiest rank, MiB: measured, and predicted by each "
@@ -42,7 +47,7 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
                f"{TOLERANCE:.0%}. 'fitted' rows are the runs the calibration was fitted on, 'held out' the others. "
                f"Calibration fitted on: {sources or 'none'}. Over all {overall.runs} phase figures: MAE "
                f"{overall.mae:.1%} calibrated ({overall.mae_physics:.1%} physics), {overall.within} within "
-               f"{TOLERANCE:.0%}, worst {overall.worst.error:+.1%}.")
+               f"{TOLERANCE:.0%}, worst {overall.worst.error:+.1%}. Held out, per model: {per_model}.")
     return [Table("prediction", "Memory model: predicted vs measured, per phase", caption,
                   ["framework", "stage", "phase", "calibration", "runs", "measured MiB", "predicted MiB",
-                   "MAE physics", "MAE calibrated", "worst (model, run)", "within"], body)]
+                   "MAE physics", "MAE calibrated", "worst (its run)", "within"], body)]
