@@ -104,14 +104,15 @@ def _predicted(plan: Plan) -> dict[str, Any]:
 
 def _print_result(console: Console, result: SearchResult, workload: Workload, top: int) -> None:
     lora = f"LoRA {workload.lora}" if workload.lora else "full fine-tuning"
+    lora = result.variant if "LoRA" in result.variant else f"{result.variant}, {lora}"
     if not result.plans:
-        console.print(f"[red]No plan fits[/red] ({result.variant}: {lora}). Why the layouts tried do not fit:")
+        console.print(f"[red]No plan fits[/red] ({lora}). Why the layouts tried do not fit:")
         for plan in result.rejected:
             console.print(f"  {plan.placement}: {_layouts_line(plan)}")
             for line in plan.overflows():
                 console.print(f"    - {line}")
         return
-    console.print(f"[green]{len(result.plans)} placement(s) fit[/green] ({result.variant}: {lora}); fastest first "
+    console.print(f"[green]{len(result.plans)} placement(s) fit[/green] ({lora}); fastest first "
                   "(estimated step time: bench/plan/cost.py):")
     for plan in result.plans[:top]:
         console.print(f"  {plan.placement}: peak {plan.peak / GIB:.1f} GiB/GPU, host {plan.host_per_node / GIB:.0f} "
