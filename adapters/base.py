@@ -14,11 +14,11 @@ from typing import Any
 
 import torch
 
-from bench.data import PreferenceBatch, PromptBatch, SFTBatch
-from bench.flops import Attention
-from bench.models import model_config
-from bench.params import ParamCounts
-from bench.spec import RunSpec, UnsupportedError
+from bench.measure.flops import Attention
+from bench.measure.params import ParamCounts
+from bench.run.data import PreferenceBatch, PromptBatch, SFTBatch
+from bench.run.models import model_config
+from bench.run.spec import RunSpec, UnsupportedError
 
 
 @dataclass(frozen=True)

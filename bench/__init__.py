@@ -1,1 +1,2 @@
-"""rlhf-bench core: run spec, launcher, trackers, records. Imports no RLHF framework."""
+"""rlhf-bench core: run/ (spec, launcher, worker, sweeps), measure/ (trackers, FLOPs), results/ (records),
+report/, plan/ (memory model and planner). Imports no RLHF framework."""

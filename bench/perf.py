@@ -21,8 +21,8 @@ import sys
 import time
 
 from adapters import registry
-from bench.collect import YARDSTICK, collect
 from bench.report.yardstick import yardstick_tables
+from bench.results.collect import YARDSTICK, collect
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = {"model": "glm-base", "launcher.nproc": "2", "stage": "ppo", "precision": "bf16", "zero": "2",

@@ -3,7 +3,7 @@
 The record's breakdown puts gradients, ZeRO's gradient partitions and its communication buckets in "rest".
 This diagnostic names them: it runs a few SFT or RM steps of one adapter and, just before each optimizer step
 (gradients reduced; ZeRO-2 has freed its buckets at the backward's end, ZeRO-3 keeps its own), walks the
-engines' optimizer objects for tensors that are not model state (bench/trackers/held.py) and reports each
+engines' optimizer objects for tensors that are not model state (bench/measure/held.py) and reports each
 one's allocated bytes and, on a CPU, its resident bytes (what the RSS peak counts).
 
     torchrun --standalone --nproc_per_node 2 scripts/engine_buffers.py framework=dschat model=glm-base zero=3
@@ -26,12 +26,12 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from adapters import registry  # noqa: E402
 from adapters.base import RankContext  # noqa: E402
 from adapters.deepspeed_state import zero3_masters  # noqa: E402
-from bench.config import compose  # noqa: E402
-from bench.data import SyntheticData  # noqa: E402
-from bench.spec import spec_from_config  # noqa: E402
-from bench.trackers.held import Held, held_tensors, resident_bytes, storages  # noqa: E402
-from bench.trackers.memory import malloc_live_bytes  # noqa: E402
-from bench.worker import resolve_device  # noqa: E402
+from bench.measure.held import Held, held_tensors, resident_bytes, storages  # noqa: E402
+from bench.measure.memory import malloc_live_bytes  # noqa: E402
+from bench.run.config import compose  # noqa: E402
+from bench.run.data import SyntheticData  # noqa: E402
+from bench.run.spec import spec_from_config  # noqa: E402
+from bench.run.worker import resolve_device  # noqa: E402
 
 MIB = 2**20
 

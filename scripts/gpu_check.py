@@ -14,7 +14,7 @@ reference where it is registered.
 The summary (`summary.md`, `summary.json`): per run its status, per phase the peak of allocated memory, of
 reserved memory (the caching allocator's pool) and NVML's figure for the process (read once, at the stage's
 end; what neither allocator figure holds is CUDA context and communication buffers), tokens/s of each phase,
-the step's TFLOP/s and MFU against the device's dense bf16 peak (bench/collect.py's table; none for an
+the step's TFLOP/s and MFU against the device's dense bf16 peak (bench/results/collect.py's table; none for an
 unknown device), and the Hybrid Engine's generation speed-up.
 """
 
@@ -32,8 +32,8 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from adapters import registry  # noqa: E402
-from bench.collect import collect  # noqa: E402
-from bench.record import PHASE_ORDER  # noqa: E402
+from bench.results.collect import collect  # noqa: E402
+from bench.results.record import PHASE_ORDER  # noqa: E402
 
 MIB = 2**20
 COMMON = ("stage=ppo", "precision=bf16", "prompt_len=128", "answer_len=128", "batch=2", "steps=4",

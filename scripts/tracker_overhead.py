@@ -37,13 +37,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from adapters import registry  # noqa: E402
 from adapters.base import RankContext  # noqa: E402
-from bench.config import compose  # noqa: E402
-from bench.data import SyntheticData  # noqa: E402
-from bench.loop import StageLoop  # noqa: E402
-from bench.spec import spec_from_config  # noqa: E402
-from bench.trackers.memory import long_lived_frozen  # noqa: E402
-from bench.trackers.phases import PhaseTracker  # noqa: E402
-from bench.worker import resolve_device  # noqa: E402
+from bench.measure.memory import long_lived_frozen  # noqa: E402
+from bench.measure.phases import PhaseTracker  # noqa: E402
+from bench.run.config import compose  # noqa: E402
+from bench.run.data import SyntheticData  # noqa: E402
+from bench.run.loop import StageLoop  # noqa: E402
+from bench.run.spec import spec_from_config  # noqa: E402
+from bench.run.worker import resolve_device  # noqa: E402
 
 
 class Untracked:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from bench.benchmark import run_benchmark
-from bench.config import compose
-from bench.spec import spec_from_config
+from bench.run.benchmark import run_benchmark
+from bench.run.config import compose
+from bench.run.spec import spec_from_config
 
 # Two ranks already fill both cores of the reference machine; more threads per rank only spin.
 os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any
 
-from bench.record import SCHEMA_VERSION
+from bench.results.record import SCHEMA_VERSION
 
 MIB = 1024 * 1024
 BASE_CONFIG: dict[str, Any] = {

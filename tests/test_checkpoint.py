@@ -16,7 +16,7 @@ import psutil
 import pytest
 import torch
 
-from bench.checkpoint import BackgroundWriter, Checkpointer, latest_complete, snapshot_saves
+from bench.run.checkpoint import BackgroundWriter, Checkpointer, latest_complete, snapshot_saves
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.config import compose
-from bench.data import SyntheticData
-from bench.models import build_causal_lm
-from bench.spec import spec_from_config
+from bench.run.config import compose
+from bench.run.data import SyntheticData
+from bench.run.models import build_causal_lm
+from bench.run.spec import spec_from_config
 
 CAI = "framework=colossalai"
 ON_CPU = not torch.cuda.is_available()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bench.data import EOS, PAD, SyntheticData
+from bench.run.data import EOS, PAD, SyntheticData
 
 
 def make(rank: int = 0, seed: int = 1) -> SyntheticData:

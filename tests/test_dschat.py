@@ -235,7 +235,7 @@ def test_a_rank_killed_by_sigkill_is_an_oom_and_the_other_rank_keeps_what_it_mea
             for proc in psutil.process_iter(["cmdline", "create_time"]):
                 try:
                     cmdline = proc.info["cmdline"] or []
-                    if "bench.worker" in cmdline and str(tmp_path) in " ".join(cmdline) \
+                    if "bench.run.worker" in cmdline and str(tmp_path) in " ".join(cmdline) \
                             and proc.environ().get("RANK") == "1" and time.time() - proc.info["create_time"] > 30:
                         os.kill(proc.pid, 9)
                         return

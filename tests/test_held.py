@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from bench.trackers.held import PAGE, held_tensors, resident_bytes, storages
-from bench.trackers.memory import trim_heap
+from bench.measure.held import PAGE, held_tensors, resident_bytes, storages
+from bench.measure.memory import trim_heap
 
 MIB = 2**20
 

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from bench import launcher
-from bench.config import compose
-from bench.spec import spec_from_config
+from bench.run import launcher
+from bench.run.config import compose
+from bench.run.spec import spec_from_config
 
 
 def _rank_env() -> dict[str, str]:

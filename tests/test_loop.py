@@ -16,12 +16,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from adapters.base import Adapter, TrainOutput
-from bench.config import compose
-from bench.data import SyntheticData
-from bench.loop import StageLoop
-from bench.params import ParamCounts
-from bench.spec import spec_from_config
-from bench.trackers.phases import PhaseTracker
+from bench.measure.params import ParamCounts
+from bench.measure.phases import PhaseTracker
+from bench.run.config import compose
+from bench.run.data import SyntheticData
+from bench.run.loop import StageLoop
+from bench.run.spec import spec_from_config
 
 pytestmark = pytest.mark.engine
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.models import build_causal_lm, gpt2_config
-from bench.spec import ModelSpec
+from bench.run.models import build_causal_lm, gpt2_config
+from bench.run.spec import ModelSpec
 
 MODEL = ModelSpec(name="t", path=None, hidden=32, layers=4, heads=2, vocab=64, positions=32, dropout=0.1,
                   lr={"sft": 1e-3, "rm": 1e-3, "actor": 1e-3, "critic": 1e-3})

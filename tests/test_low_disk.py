@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from collections import namedtuple
 
-from bench import worker
+from bench.run import worker
 
 Usage = namedtuple("Usage", "total used free")
 

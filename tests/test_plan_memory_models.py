@@ -9,10 +9,10 @@ import pytest
 from adapters.colossalai import memory as coati
 from adapters.dschat import memory as dschat
 from adapters.trlx import memory as trlx
-from bench.config import compose
 from bench.plan.predict import physics, record_entry
 from bench.plan.run_shape import RunShape
-from bench.spec import spec_from_config
+from bench.run.config import compose
+from bench.run.spec import spec_from_config
 
 BASE = ["model=glm-base", "prompt_len=128", "answer_len=128", "batch=2", "launcher.nproc=2", "precision=bf16"]
 

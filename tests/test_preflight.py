@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from bench.config import compose
 from bench.plan import preflight as pf
-from bench.spec import SpecError, spec_from_config
+from bench.run.config import compose
+from bench.run.spec import SpecError, spec_from_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM_BASE_SFT = ["framework=dschat", "stage=sft", "model=glm-base", "prompt_len=128", "answer_len=128", "zero=2",

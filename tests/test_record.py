@@ -7,10 +7,10 @@ import math
 import pytest
 
 from adapters.base import TrainOutput
-from bench.flops import Attention, phase_flops, token_flops
-from bench.launcher import missing_ranks_failure, sigkilled_ranks
-from bench.params import ParamCounts
-from bench.record import fixed_cost, merge_status, stage_record
+from bench.measure.flops import Attention, phase_flops, token_flops
+from bench.measure.params import ParamCounts
+from bench.results.record import fixed_cost, merge_status, stage_record
+from bench.run.launcher import missing_ranks_failure, sigkilled_ranks
 
 MIB = 1024 * 1024
 
@@ -158,9 +158,9 @@ def test_repeated_optimizer_steps_keep_every_skip_and_non_finite_value():
 
 
 def test_torn_writes_are_removed_and_never_read_as_records(tmp_path):
-    from bench.collect import collect
-    from bench.launcher import remove_torn_writes
-    from bench.record import ResultRecord
+    from bench.results.collect import collect
+    from bench.results.record import ResultRecord
+    from bench.run.launcher import remove_torn_writes
 
     ResultRecord(run_id="run", config={"stage": {"name": "sft"}}).write(str(tmp_path / "run" / "record.json"))
     torn = tmp_path / "run" / ".tmp-abc123.json"
@@ -220,7 +220,7 @@ def test_step_times_sum_a_steps_phases_and_take_the_slowest_rank():
 
 
 def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes():
-    from bench.collect import stage_row
+    from bench.results.collect import stage_row
 
     record = {"config": {"framework": {"name": "trlx", "ppo": {"ppo_epochs": 4}}, "batch": 4,
                          "launcher": {"nproc": 2}, "model": {"name": "tiny"}},

@@ -7,8 +7,8 @@ import torch
 
 from adapters.reference.adapter import fold_lora
 from adapters.reference.models import pairwise_loss
-from bench.config import compose
-from bench.spec import UnsupportedError, spec_from_config
+from bench.run.config import compose
+from bench.run.spec import UnsupportedError, spec_from_config
 
 REF = "framework=torch"
 

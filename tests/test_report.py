@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.collect import collect
 from bench.report.__main__ import main as report_main
 from bench.report.claims import CLAIMS, NOT_MEASURABLE, NOT_MEASURED
 from bench.report.decision import Leaf, leaf
+from bench.results.collect import collect
 
 REPO = Path(__file__).resolve().parent.parent
 CHROMIUM = "/usr/bin/chromium"

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from bench.collect import collect
 from bench.report import claims, decision, differences, plots, tables, yardstick
 from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, TIE
 from bench.report.decision import Leaf
+from bench.results.collect import collect
 from tests.report_records import MIB, config, record, write
 
 
@@ -301,9 +301,9 @@ def test_side_by_side_figures_take_one_configuration_that_differs_only_in_the_fr
 # --- soak runs ---------------------------------------------------------------------------------------------------
 
 def test_soak_runs_get_a_verdict_table_and_a_trend_figure(tmp_path):
+    from bench.measure.trend import MIB as T_MIB
+    from bench.measure.trend import soak_trends
     from bench.report import soak
-    from bench.trend import MIB as T_MIB
-    from bench.trend import soak_trends
 
     leaky = record(config(soak=True), run_id="leaky")
     timeline = [{"phase": phase, "step": step, "peak_bytes": 500 * T_MIB + step * T_MIB,

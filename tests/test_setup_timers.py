@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch.utils.cpp_extension
 
-from bench.config import compose
-from bench.models import build_backbone, model_build_seconds
-from bench.spec import spec_from_config
-from bench.trackers import jit_ops
+from bench.measure import jit_ops
+from bench.run.config import compose
+from bench.run.models import build_backbone, model_build_seconds
+from bench.run.spec import spec_from_config
 
 
 def test_building_a_model_adds_its_time_to_the_process_s_build_seconds():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.trend import MIB
+from bench.measure.trend import MIB
 
 pytestmark = pytest.mark.engine
 TORCH_ADAMW = "framework.optimizer=torch_adamw"  # no JIT build; the optimizer is not what these tests measure

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import compose
-from bench.models import meta_param_count
-from bench.spec import ModelSpec, SpecError, UnsupportedError, spec_from_config
+from bench.run.config import compose
+from bench.run.models import meta_param_count
+from bench.run.spec import ModelSpec, SpecError, UnsupportedError, spec_from_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -190,7 +190,7 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
     ],
 )
 def test_hostile_command_lines_are_refused_naming_the_value_and_what_is_allowed(args, expected, tmp_path):
-    from bench.cli_checks import check_command_line
+    from bench.run.cli_checks import check_command_line
 
     (tmp_path / "a-file").write_text("")
     filled = []
@@ -207,7 +207,7 @@ def test_hostile_command_lines_are_refused_naming_the_value_and_what_is_allowed(
 
 
 def test_a_gpt2_checkpoint_directory_and_a_valid_sweep_pass_the_checks(tmp_path):
-    from bench.cli_checks import check_command_line
+    from bench.run.cli_checks import check_command_line
 
     path = _checkpoint_dir(tmp_path, '{"model_type": "gpt2"}')
     check_command_line([f"model.path={path}", f"output_root={tmp_path / 'new' / 'results'}"])
@@ -272,7 +272,7 @@ def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
 
 
 def test_the_prerequisite_rm_cache_key_holds_only_what_the_rm_stage_uses():
-    from bench.benchmark import rm_cache_key
+    from bench.run.benchmark import rm_cache_key
 
     base = rm_cache_key(spec())
     for framework, ppo_only in (("dschat", "framework.ppo.kl_ctl=0.5"), ("colossalai", "framework.ppo.top_k=5"),

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from bench.config import compose
-from bench.record import ResultRecord, StageRecord, utc_now
-from bench.sweep import cell_key, oom_backstop
-from bench.sweep_progress import sweep_size
+from bench.results.record import ResultRecord, StageRecord, utc_now
+from bench.run.config import compose
+from bench.run.sweep import cell_key, oom_backstop
+from bench.run.sweep_progress import sweep_size
 
 REPO = Path(__file__).resolve().parent.parent
 SFT = ["framework=trlx", "stage=sft", "steps=2", "warmup_steps=1"]
@@ -149,9 +149,9 @@ def test_parallel_cells_train_the_prerequisite_reward_model_once(tmp_path):
     and reads it (without the lock both trained in one directory, deleting each other's rank files)."""
     import threading
 
-    from bench.benchmark import prerequisite_rm
-    from bench.config import compose
-    from bench.spec import spec_from_config
+    from bench.run.benchmark import prerequisite_rm
+    from bench.run.config import compose
+    from bench.run.spec import spec_from_config
 
     specs = [spec_from_config(compose(["framework.optimizer=torch_adamw", "stage_steps.rm=3", "warmup_steps=1",
                                        f"framework.ppo.kl_ctl={kl}"])) for kl in (0.1, 0.2)]

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from bench.trackers.phases import PhaseTracker
-from bench.trackers.stability import StabilityTracker
+from bench.measure.phases import PhaseTracker
+from bench.measure.stability import StabilityTracker
 
 MIB = 1024 * 1024
 
@@ -42,13 +42,12 @@ def test_a_phase_end_counts_what_it_left_alive_not_what_the_allocator_kept():
     assert frees - keeps == pytest.approx(-8 * MIB, abs=MIB)
 
 
-def _heap_garbage(mib: int) -> torch.Tensor:
-    """`mib` MiB of 32 KiB tensors (below malloc's mmap threshold: they live in its heap), freed under a small
-    tensor that stays alive above them, so that malloc keeps the freed heap (only malloc_trim returns it)."""
+def _heap_garbage(mib: int) -> list[torch.Tensor]:
+    """`mib` MiB of 32 KiB tensors (below malloc's mmap threshold: they live in its heap), of which every
+    32nd stays alive: the freed ones lie between live ones wherever the heap's top is (an earlier test's
+    holes can move it), so malloc keeps them resident and only malloc_trim returns them."""
     chunks = [torch.ones(32 * 1024, dtype=torch.uint8) for _ in range(mib * 32)]
-    pin = torch.ones(1024, dtype=torch.uint8)
-    del chunks
-    return pin
+    return chunks[::32]
 
 
 def test_a_phase_after_a_larger_one_starts_from_a_trimmed_heap():
@@ -188,7 +187,7 @@ def test_calibration_ends_when_the_scale_stops_falling():
 
 def test_cuda_phases_compare_on_allocated_bytes_not_the_cached_reserve(monkeypatch):
     """The allocator API mocked: reserved stays at an earlier phase's 8 GiB, allocated shows this phase's 1 GiB."""
-    from bench.trackers import memory
+    from bench.measure import memory
 
     gib = 1024**3
     for name, value in {"synchronize": None, "reset_peak_memory_stats": None, "max_memory_allocated": gib,
@@ -226,7 +225,7 @@ def _nvml(monkeypatch, processes) -> tuple[object, _FakeNvml]:
     import sys
     from types import SimpleNamespace
 
-    from bench.trackers import memory
+    from bench.measure import memory
 
     fake = _FakeNvml([SimpleNamespace(pid=os.getpid() if pid == "self" else pid, usedGpuMemory=used)
                       for pid, used in processes])
@@ -257,14 +256,14 @@ def test_nvml_without_this_process_or_its_figure_is_not_available(monkeypatch, p
 def test_nvml_absent_is_not_available(monkeypatch):
     import sys
 
-    from bench.trackers import memory
+    from bench.measure import memory
 
     monkeypatch.setitem(sys.modules, "pynvml", None)  # import pynvml raises ImportError
     assert "pynvml not installed" in memory.MemoryTracker(torch.device("cuda", 0)).outside_allocator()["not_available"]
 
 
 def test_live_tensor_census_lists_what_appeared_after_arming_once_per_storage():
-    from bench.trackers.live_tensors import LiveTensorProbe
+    from bench.measure.live_tensors import LiveTensorProbe
 
     kept_from_setup = torch.zeros(1000)  # alive when the probe is armed: not listed
     module = torch.nn.Linear(4, 4)

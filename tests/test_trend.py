@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.trend import MIB, crossing_step, first_fitted_step, least_squares, phase_trend, soak_trends
+from bench.measure.trend import MIB, crossing_step, first_fitted_step, least_squares, phase_trend, soak_trends
 
 
 def test_least_squares_by_hand():

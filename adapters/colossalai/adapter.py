@@ -23,8 +23,8 @@ from adapters.colossalai.lora import merged_state_dict
 from adapters.colossalai.options import ColossalOptions, PluginChoice
 from adapters.colossalai.update import Update
 from adapters.state_bytes import model_state
-from bench.params import ParamCounts
-from bench.spec import RunSpec, UnsupportedError
+from bench.measure.params import ParamCounts
+from bench.run.spec import RunSpec, UnsupportedError
 
 GEMINI_ON_CPU = (
     "GeminiPlugin (zero=3) needs CUDA: its chunk manager moves every chunk to the GPU "

@@ -14,7 +14,7 @@ import torch
 
 from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
-from bench.models import build_backbone, build_causal_lm, count_params, set_dropout
+from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
 
 
 class Engines:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions
 
 OPTIMIZERS = ("hybrid_adam", "torch_adamw")
 PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")

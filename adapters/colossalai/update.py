@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from adapters.base import Experience, TrainOutput
 from adapters.grad_norm import global_grad_norm
 from adapters.rl_math import gather_log_probs, position_ids
-from bench.data import PreferenceBatch, SFTBatch
+from bench.run.data import PreferenceBatch, SFTBatch
 
 
 class Update:

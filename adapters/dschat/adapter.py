@@ -25,9 +25,9 @@ from adapters.dschat.lora import fused_state_dict
 from adapters.dschat.options import DSChatOptions
 from adapters.dschat.update import Update
 from adapters.state_bytes import model_state
-from bench.models import count_params
-from bench.params import ParamCounts
-from bench.spec import RunSpec
+from bench.measure.params import ParamCounts
+from bench.run.models import count_params
+from bench.run.spec import RunSpec
 
 
 class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from adapters.dschat.options import DSChatOptions
-from bench.spec import RunSpec
+from bench.run.spec import RunSpec
 
 
 def _precision(spec: RunSpec, options: DSChatOptions) -> dict[str, Any]:

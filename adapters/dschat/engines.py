@@ -18,7 +18,7 @@ import torch
 from adapters.dschat import ds_config, fp16_zero0
 from adapters.dschat.lora import convert_to_lora, only_optimize_lora
 from adapters.dschat.reward_model import RewardModel
-from bench.models import build_backbone, build_causal_lm, set_dropout
+from bench.run.models import build_backbone, build_causal_lm, set_dropout
 
 _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
 

@@ -15,7 +15,7 @@ import torch
 
 from adapters.base import Experience, Rollout
 from adapters.rl_math import gather_log_probs, masked_mean, position_ids
-from bench.data import EOS, PAD, PromptBatch
+from bench.run.data import EOS, PAD, PromptBatch
 
 
 class ExperienceMaker:

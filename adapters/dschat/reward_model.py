@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters.rl_math import position_ids
-from bench.data import PAD
+from bench.run.data import PAD
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from adapters.base import Experience, TrainOutput
 from adapters.dschat import fp16_zero0
 from adapters.grad_norm import global_grad_norm
 from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, policy_loss, position_ids, value_loss
-from bench.data import PreferenceBatch, SFTBatch
+from bench.run.data import PreferenceBatch, SFTBatch
 
 
 class Update:

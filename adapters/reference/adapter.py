@@ -19,8 +19,8 @@ from adapters.reference.experience import ExperienceMaker
 from adapters.reference.options import LAYOUTS, ReferenceOptions
 from adapters.reference.update import Update
 from adapters.state_bytes import model_state
-from bench.params import ParamCounts
-from bench.spec import RunSpec
+from bench.measure.params import ParamCounts
+from bench.run.spec import RunSpec
 
 
 class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):

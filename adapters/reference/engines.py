@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from adapters.reference.models import ValueModel
-from bench.models import build_backbone, build_causal_lm, count_params, set_dropout
+from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]  # GPT-2's Conv1D projections (attention, its output, the MLP)

@@ -12,7 +12,7 @@ import torch
 from adapters.base import Experience, Rollout
 from adapters.reference.models import end_scores
 from adapters.rl_math import gather_log_probs, masked_mean, position_ids
-from bench.data import EOS, PAD, PromptBatch
+from bench.run.data import EOS, PAD, PromptBatch
 
 
 class ExperienceMaker:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
 
 LAYOUTS = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
            3: "FSDP2 fully_shard"}

@@ -11,7 +11,7 @@ import torch
 from adapters.base import Experience, TrainOutput
 from adapters.reference.models import end_scores, pairwise_loss
 from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, policy_loss, position_ids, value_loss
-from bench.data import PreferenceBatch, SFTBatch
+from bench.run.data import PreferenceBatch, SFTBatch
 
 
 def _total_norm(norm: torch.Tensor) -> float:

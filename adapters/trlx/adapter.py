@@ -26,9 +26,9 @@ from adapters.trlx.experience import ExperienceMaker, RunningMoments
 from adapters.trlx.models import PolicyWithValueHead
 from adapters.trlx.options import TrlxOptions
 from adapters.trlx.update import Update
-from bench.flops import Attention
-from bench.params import ParamCounts
-from bench.spec import RunSpec, UnsupportedError
+from bench.measure.flops import Attention
+from bench.measure.params import ParamCounts
+from bench.run.spec import RunSpec, UnsupportedError
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 

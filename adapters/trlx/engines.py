@@ -14,8 +14,8 @@ import torch
 
 from adapters.state_bytes import tensor_bytes
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
-from bench.models import build_backbone, build_causal_lm, count_params
-from bench.params import ParamCounts
+from bench.measure.params import ParamCounts
+from bench.run.models import build_backbone, build_causal_lm, count_params
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from adapters.base import Experience, Rollout
 from adapters.rl_math import gather_log_probs, position_ids
-from bench.data import EOS, PAD, PromptBatch
+from bench.run.data import EOS, PAD, PromptBatch
 
 
 class ExperienceMaker:

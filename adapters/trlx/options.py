@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, require_data_parallel_only
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, require_data_parallel_only
 
 REFERENCES = ("auto", "hydra", "full", "peft")
 SCALE_REWARD = ("ignored", "running", "ref")

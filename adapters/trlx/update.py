@@ -14,7 +14,7 @@ import torch.distributed as dist
 from adapters.base import Experience, TrainOutput
 from adapters.grad_norm import global_grad_norm
 from adapters.rl_math import gae, gather_log_probs
-from bench.data import PreferenceBatch, SFTBatch
+from bench.run.data import PreferenceBatch, SFTBatch
 
 
 class Update:

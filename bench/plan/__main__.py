@@ -32,7 +32,7 @@ def compose(overrides: list[str]) -> dict[str, Any]:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from bench.config import CONF_DIR, to_plain
+    from bench.run.config import CONF_DIR, to_plain
 
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
         return to_plain(hydra_compose(config_name="planner", overrides=overrides))

@@ -15,7 +15,7 @@ from typing import Any
 from bench.plan import calibration
 from bench.plan.calibration import Calibration
 from bench.plan.predict import predict_stage
-from bench.spec import SpecError, spec_from_config
+from bench.run.spec import SpecError, spec_from_config
 
 
 @dataclass(frozen=True)

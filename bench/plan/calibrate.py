@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.table import Table
 
 from adapters import registry
-from bench.collect import collect
 from bench.plan import calibration
 from bench.plan.accuracy import Accuracy, Comparison, comparisons, in_selection
+from bench.results.collect import collect
 
 TOLERANCE = 0.15
 

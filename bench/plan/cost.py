@@ -1,7 +1,7 @@
 """The planner's step-time estimate: a simple, stated cost model, for ranking plans, not for quoting.
 
 Per role and phase, seconds = compute + communication, the phases of a PPO step one after another:
-- compute: FLOPs (bench.flops's formula: forward 2N + 4LCH per token, training 6N_trained + 4N_frozen +
+- compute: FLOPs (bench.measure.flops's formula: forward 2N + 4LCH per token, training 6N_trained + 4N_frozen +
   12LCH, recomputation one more forward) over the role's GPUs x the GPU's 16-bit peak x cluster.mfu, times
   the pipeline fill (m + pp - 1) / m for m micro-batches per data-parallel replica;
 - decoding: each new token reads the stage's weights and cache from HBM (memory-bound at these batch sizes),

@@ -11,7 +11,7 @@ from adapters import registry
 from bench.plan import calibration
 from bench.plan.physics import Terms
 from bench.plan.run_shape import RunShape
-from bench.spec import RunSpec
+from bench.run.spec import RunSpec
 
 MiB = 2 ** 20
 METHOD = ("bytes each phase adds over the post-import baseline on the busiest rank: the framework's memory model "
@@ -51,7 +51,7 @@ def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
 
 
 def record_entry(spec: RunSpec, stage: str, device: str, memory: dict[str, Any]) -> dict[str, Any] | None:
-    """The prediction a stage record keeps beside its measured phases (bench.record's `memory`)."""
+    """The prediction a stage record keeps beside its measured phases (bench.results.record's `memory`)."""
     predicted = predict_stage(spec, stage, device)
     if predicted is None:
         return None

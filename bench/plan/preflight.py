@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.plan.predict import predict_stage
-from bench.spec import RunSpec
+from bench.run.spec import RunSpec
 
 SAFETY = 0.9
 MiB = 2 ** 20

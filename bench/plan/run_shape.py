@@ -21,7 +21,7 @@ from bench.plan.physics import (
     logits_bytes,
     standin_layer_bytes,
 )
-from bench.spec import RunSpec
+from bench.run.spec import RunSpec
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,6 @@ import sys
 
 from rich.console import Console
 
-from bench.collect import collect
-from bench.record import utc_now
 from bench.report import (
     checkpoints,
     claims,
@@ -28,6 +26,8 @@ from bench.report import (
     tables,
     yardstick,
 )
+from bench.results.collect import collect
+from bench.results.record import utc_now
 
 GIB = 1024.0**3
 

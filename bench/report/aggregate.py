@@ -1,7 +1,7 @@
 """Repeated runs of one cell aggregate to median and spread (max - min).
 
 A cell is the whole resolved configuration of a stage row minus the seed and bookkeeping keys
-(bench.collect.cell_config): runs that differ in learning rate, lengths, steps, device, optimizer or any
+(bench.results.collect.cell_config): runs that differ in learning rate, lengths, steps, device, optimizer or any
 framework option are different cells, never repeats of one.
 """
 
@@ -12,7 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import CONFIG_COLUMNS
+from bench.results.collect import CONFIG_COLUMNS
 
 CELL_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c != "seed")
 # Cell keys never shown as "other config": the main columns show them, or they follow from one that is.

@@ -13,12 +13,12 @@ from dataclasses import dataclass, replace
 from itertools import combinations
 from typing import Any
 
-from bench.collect import FORCED_FAILURE, YARDSTICK, is_forced_failure, tags_of
 from bench.plan import claims_arithmetic as arithmetic
 from bench.plan import plan_file
 from bench.plan.physics import Arch
 from bench.report.aggregate import Stat, stat
 from bench.report.pairs import describe, matched_sets, tied
+from bench.results.collect import FORCED_FAILURE, YARDSTICK, is_forced_failure, tags_of
 
 MIB = 1024.0 * 1024.0
 SUPPORTED, CONTRADICTED, PARTLY = "supported", "contradicted", "partly supported"

@@ -17,8 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.collect import YARDSTICK, is_forced_failure
 from bench.report.aggregate import Stat, group, overlap, per_gpu, stat
+from bench.results.collect import YARDSTICK, is_forced_failure
 
 MIB = 1024.0 * 1024.0
 STABLE = ("stable", "recovered")

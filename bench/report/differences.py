@@ -7,11 +7,11 @@ from __future__ import annotations
 from itertools import combinations
 from typing import Any
 
-from bench.collect import BASELINE_TERMS, BREAKDOWN_TERMS
-from bench.record import PHASE_ORDER, SETUP_PHASES
 from bench.report.aggregate import stat
 from bench.report.pairs import matched_sets, tied
 from bench.report.tables import Table
+from bench.results.collect import BASELINE_TERMS, BREAKDOWN_TERMS
+from bench.results.record import PHASE_ORDER, SETUP_PHASES
 
 MIB = 1024.0 * 1024.0
 Rows = list[dict[str, Any]]

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import is_forced_failure
 from bench.report.aggregate import Stat, overlap, stat
+from bench.results.collect import is_forced_failure
 
 Row = dict[str, Any]
 Cells = dict[str, dict[str, Any]]

@@ -18,10 +18,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on a cluster node or in CI
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.collect import BREAKDOWN_TERMS, FORCED_FAILURE, is_forced_failure, tags_of  # noqa: E402
-from bench.record import PHASE_ORDER, SETUP_PHASES  # noqa: E402
 from bench.report.aggregate import per_gpu, stat  # noqa: E402
 from bench.report.pairs import KNOBS  # noqa: E402
+from bench.results.collect import BREAKDOWN_TERMS, FORCED_FAILURE, is_forced_failure, tags_of  # noqa: E402
+from bench.results.record import PHASE_ORDER, SETUP_PHASES  # noqa: E402
 
 MIB = 1024.0 * 1024.0
 Rows = list[dict[str, Any]]

@@ -8,11 +8,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import Collection
 from bench.report.claims import Verdict
 from bench.report.decision import Leaf, Node, questions
 from bench.report.plots import Figure
 from bench.report.tables import Table
+from bench.results.collect import Collection
 
 
 @dataclass

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import is_forced_failure, phases_in
 from bench.report.aggregate import distinguishing_keys, group, other_config, per_gpu, stat, status_of
+from bench.results.collect import is_forced_failure, phases_in
 
 MIB = 1024.0 * 1024.0
 SHOWN_CONFIG = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc")

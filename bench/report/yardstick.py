@@ -13,11 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.collect import YARDSTICK
-from bench.record import OUTSIDE_STEP, PHASE_ORDER, SETUP_PHASES
 from bench.report.aggregate import stat
 from bench.report.pairs import matched_sets
 from bench.report.tables import Table
+from bench.results.collect import YARDSTICK
+from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SETUP_PHASES
 
 Row = dict[str, Any]
 METRICS = (("time_s_per_step", "step time"), ("tokens_per_s", "tokens/s"), ("growth", "peak growth"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from bench.params import ParamCounts
+from bench.measure.params import ParamCounts
 
 FORMULA = (
     "per token and model: forward 2*N + 4*L*C*H; training step 6*N_trainable + 4*N_frozen + 12*L*C*H "

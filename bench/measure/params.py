@@ -1,5 +1,5 @@
-"""Parameter counts of a model: the record the FLOPs formula and the records read (bench.models counts them).
-Kept apart from bench.models so that the launcher's side (records, FLOPs) needs neither torch nor transformers."""
+"""Parameter counts of a model: the record the FLOPs formula and the records read (bench.run.models counts them).
+Kept apart from bench.run.models so that the launcher's side (records, FLOPs) needs neither torch nor transformers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Launches one stage as an isolated process tree: torchrun with N ranks of `bench.worker`.
+"""Launches one stage as an isolated process tree: torchrun with N ranks of `bench.run.worker`.
 
 The tree runs in its own session so a timeout kills every rank; its output is copied to the terminal
 and to the stage's `worker.log`. Whatever happens, the caller gets the ranks' result files back, or a
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench.record import write_json
-from bench.spec import RunSpec
+from bench.results.record import write_json
+from bench.run.spec import RunSpec
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 30
 # torchrun's failure summary names each failed rank with its exit code; -9 is SIGKILL.
 _KILLED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*-9\b")
@@ -123,7 +123,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     write_json(spec_path, spec.to_dict())
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-        f"--nproc_per_node={spec.launcher.nproc}", "-m", "bench.worker", spec_path, stage_dir, stage,
+        f"--nproc_per_node={spec.launcher.nproc}", "-m", "bench.run.worker", spec_path, stage_dir, stage,
     ]
     for key, path in init.items():
         cmd += [f"--init-{key}", os.path.abspath(path)]

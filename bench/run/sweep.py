@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from bench.collect import BOOKKEEPING_KEYS, flatten
+from bench.results.collect import BOOKKEEPING_KEYS, flatten
 
 # Keys that do not change what a run measures: two configs that differ only here are the same cell.
 NOT_MEASURED = tuple(k for k in BOOKKEEPING_KEYS if k != "seed")

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.trend import MIN_POINTS, first_fitted_step
+from bench.measure.trend import MIN_POINTS, first_fitted_step
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -321,7 +321,7 @@ class RunSpec:
     @property
     def release_every(self) -> int:
         """How often (at least) a phase started above its own floor gets the freed heap handed back first
-        (bench.trackers.memory): every run in a soak, whose figure is the per-step peak; else every 4th, which
+        (bench.measure.memory): every run in a soak, whose figure is the per-step peak; else every 4th, which
         keeps the refault it costs within the harness's budget (README, "harness cost")."""
         if self.memory_release_every is not None:
             return self.memory_release_every

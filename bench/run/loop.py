@@ -14,15 +14,15 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter, Rollout, TrainOutput
-from bench.checkpoint import Checkpointer, latest_complete, set_rng_state
-from bench.data import SyntheticData
-from bench.flops import Attention, phase_flops
-from bench.params import ParamCounts
-from bench.spec import RunSpec
-from bench.trackers.live_tensors import LiveTensorProbe
-from bench.trackers.memory import long_lived_frozen
-from bench.trackers.phases import PhaseTracker
-from bench.trackers.stability import StabilityTracker
+from bench.measure.flops import Attention, phase_flops
+from bench.measure.live_tensors import LiveTensorProbe
+from bench.measure.memory import long_lived_frozen
+from bench.measure.params import ParamCounts
+from bench.measure.phases import PhaseTracker
+from bench.measure.stability import StabilityTracker
+from bench.run.checkpoint import Checkpointer, latest_complete, set_rng_state
+from bench.run.data import SyntheticData
+from bench.run.spec import RunSpec
 
 
 class StepObserver(Protocol):

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
+from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
 
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).

@@ -20,14 +20,14 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
-from bench.benchmark import RECORD_FILE, run_benchmark
-from bench.cli_checks import check_command_line
-from bench.config import CONF_DIR, to_plain
 from bench.plan.preflight import PreflightRefusal, preflight, resolve_device
-from bench.record import ResultRecord, StageRecord, utc_now
-from bench.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
-from bench.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
-from bench.table import print_record
+from bench.results.record import ResultRecord, StageRecord, utc_now
+from bench.results.table import print_record
+from bench.run.benchmark import RECORD_FILE, run_benchmark
+from bench.run.cli_checks import check_command_line
+from bench.run.config import CONF_DIR, to_plain
+from bench.run.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
+from bench.run.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
 
 log = logging.getLogger("bench.run")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from bench.spec import RunSpec
+from bench.run.spec import RunSpec
 
 
 class WandbSteps:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "colossalai", "hydra-core", "numpy")
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _version(name: str) -> str | None:

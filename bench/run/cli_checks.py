@@ -15,8 +15,8 @@ import os
 import tempfile
 from typing import Any
 
-from bench.config import CONF_DIR, compose
-from bench.spec import SpecError, UnsupportedError, spec_from_config
+from bench.run.config import CONF_DIR, compose
+from bench.run.spec import SpecError, UnsupportedError, spec_from_config
 
 # Hydra's own flags that only print (help, the config, info): nothing runs, so nothing is checked.
 PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "--version",

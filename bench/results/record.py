@@ -16,7 +16,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from bench.flops import FORMULA
+from bench.measure.flops import FORMULA
 
 SCHEMA_VERSION = 2  # 2: growth over the post-import baseline, an `imports` phase, CUDA peaks on allocated bytes
 STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")

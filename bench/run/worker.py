@@ -1,4 +1,4 @@
-"""One rank of one stage: `python -m bench.worker SPEC_JSON STAGE_DIR STAGE [--init-sft F] [--init-rm F]`.
+"""One rank of one stage: `python -m bench.run.worker SPEC_JSON STAGE_DIR STAGE [--init-sft F] [--init-rm F]`.
 
 Started by the launcher under torchrun. It never raises: every outcome, including an exception, ends in
 this rank's `rank<N>.json` in STAGE_DIR, which the launcher merges into the run's record.
@@ -22,16 +22,16 @@ import torch
 
 from adapters import registry
 from adapters.base import RankContext
-from bench.data import SyntheticData
-from bench.environment import environment
-from bench.loop import StageLoop, StepObserver
-from bench.models import model_build_seconds
-from bench.progress import StepProgress
-from bench.record import write_json
-from bench.spec import RunSpec, UnsupportedError
-from bench.step_log import WandbSteps
-from bench.trackers import jit_ops
-from bench.trackers.phases import PhaseTracker
+from bench.measure import jit_ops
+from bench.measure.environment import environment
+from bench.measure.phases import PhaseTracker
+from bench.results.record import write_json
+from bench.run.data import SyntheticData
+from bench.run.loop import StageLoop, StepObserver
+from bench.run.models import model_build_seconds
+from bench.run.progress import StepProgress
+from bench.run.spec import RunSpec, UnsupportedError
+from bench.run.step_log import WandbSteps
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 

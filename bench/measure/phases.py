@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from bench.trackers.memory import MemoryTracker
+from bench.measure.memory import MemoryTracker
 
 
 class PhaseTracker:

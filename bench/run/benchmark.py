@@ -14,11 +14,11 @@ import logging
 import os
 from typing import Any
 
-from bench.launcher import launch_stage, remove_torn_writes
-from bench.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
-from bench.spec import CheckpointSpec, DebugSpec, LauncherSpec, RunSpec
-from bench.sweep import read_record
-from bench.trend import soak_trends
+from bench.measure.trend import soak_trends
+from bench.results.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
+from bench.run.launcher import launch_stage, remove_torn_writes
+from bench.run.spec import CheckpointSpec, DebugSpec, LauncherSpec, RunSpec
+from bench.run.sweep import read_record
 
 log = logging.getLogger(__name__)
 RECORD_FILE = "record.json"

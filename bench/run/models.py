@@ -14,8 +14,8 @@ from collections.abc import Callable
 import torch
 from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2Model, PretrainedConfig
 
-from bench.params import ParamCounts
-from bench.spec import ModelSpec
+from bench.measure.params import ParamCounts
+from bench.run.spec import ModelSpec
 
 
 def gpt2_config(model: ModelSpec) -> GPT2Config:

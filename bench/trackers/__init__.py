@@ -1,1 +1,0 @@
-"""Trackers: memory and time per phase, numerical stability per step."""
