@@ -108,4 +108,3 @@ def test_terms_add_and_peak():
     a, b = Terms(params=1, host=5), Terms(params=2, activations=3)
     assert (a + b).device == 6 and (a + b).host == 5
     assert peak(a, b) is b
-    assert a.scaled(2).params == 2

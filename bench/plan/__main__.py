@@ -19,6 +19,7 @@ from rich.table import Table
 
 from bench.plan import plan_file
 from bench.plan.cluster import PHASES, ROLE_PHASES, ROLES, Cluster, Layout, Role, Workload, resident, role_phase
+from bench.plan.model_state import deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_paper_bytes
 from bench.plan.search import GIB, PLACEMENTS, Plan, SearchResult, evaluate, make_roles, plan_with_variants
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "cache", "logits", "lora", "buffers", "host")
@@ -89,6 +90,27 @@ def groups_table(plan: Plan) -> Table:
     return table
 
 
+def calculators_line(plan: Plan, cluster: Cluster) -> str | None:
+    """What the public model-state formulas say for the actor's layout, beside this model's whole figure:
+    they count weights, gradients and optimizer states only (memory-and-stability.md 1.1, 1.2)."""
+    actor, lay = plan.roles["actor"], plan.layouts["actor"]
+    if actor.lora or lay.dp < 1:
+        return None
+    shard = actor.params // (lay.tp * lay.pp)
+    per_node = min(lay.dp, cluster.gpus_per_node)
+    nodes = max(1, lay.dp // per_node)
+    paper = zero_paper_bytes(shard, lay.zero, lay.dp).total
+    if lay.zero >= 3:
+        deepspeed = deepspeed_zero3_estimate(shard, actor.arch.largest_layer_params // lay.tp, per_node, nodes,
+                                             cpu_offload=lay.offload, cpu_offload_params=lay.offload).device
+    else:
+        deepspeed = deepspeed_zero2_estimate(shard, per_node, nodes, cpu_offload=lay.offload).device
+    group = next(g for g in plan.groups if "actor" in g.roles)
+    return (f"the actor's model states alone ({lay.notation}), per GPU: the ZeRO paper {paper / GIB:.1f} GiB, "
+            f"DeepSpeed's estimator {deepspeed / GIB:.1f} GiB; this model, everything its GPUs hold at their "
+            f"peak: {group.peak / GIB:.1f} GiB")
+
+
 def _layouts_line(plan: Plan) -> str:
     return ", ".join(f"{r} {plan.layouts[r].notation}" for r in ROLES)
 
@@ -153,6 +175,9 @@ def plan_main(config: dict[str, Any], console: Console) -> int:
     w = replace(workload, lora=best.roles["actor"].lora)
     console.print(breakdown_table(best, w, f"best plan ({result.variant}): {best.placement}, per GPU, GiB"))
     console.print(groups_table(best))
+    calculators = calculators_line(best, cluster)
+    if calculators:
+        console.print(calculators)
     out = config.get("out") or os.path.join("results", "plans", f"{name}-{cluster.nodes}x{cluster.gpus_per_node}x"
                                                                  f"{cluster.gpu_mem_gb:g}gb.yaml")
     groups = PLACEMENTS[best.placement]

@@ -61,12 +61,12 @@ class Arch:
         or the MLP's 4h x h matrix in a model with a small vocabulary."""
         return max(self.vocab * self.hidden, 4 * self.hidden * self.hidden + 4 * self.hidden)
 
-    def lora_params(self, rank: int, layers: int | None = None) -> int:
+    def lora_params(self, rank: int) -> int:
         """LoRA A and B on the four linear maps of each block: r*(h + 3h) + r*(h + h) + r*(h + 4h) + r*(4h + h)
         = 16*r*h per layer."""
         if rank < 0:
             raise ValueError(f"lora rank={rank} must be >= 0")
-        return 16 * rank * self.hidden * (self.layers if layers is None else layers)
+        return 16 * rank * self.hidden * self.layers
 
 
 @dataclass(frozen=True)
@@ -88,9 +88,6 @@ class Terms:
     def __add__(self, other: Terms) -> Terms:
         return Terms(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
-    def scaled(self, factor: float) -> Terms:
-        return Terms(**{f.name: getattr(self, f.name) * factor for f in fields(self)})
-
     @property
     def device(self) -> float:
         """Everything but the host term."""
@@ -102,9 +99,6 @@ class Terms:
 
     def as_dict(self) -> dict[str, float]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
-TERM_NAMES = tuple(f.name for f in fields(Terms))
 
 
 def peak(*alternatives: Terms) -> Terms:

@@ -83,17 +83,16 @@ def frozen_state(params: float, weight_bytes: int, shard: int = 1) -> Terms:
     return Terms(params=params * weight_bytes / shard)
 
 
-def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0,
-                     layers: int | None = None, dropout: bool = False,
+def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0, dropout: bool = False,
                      linear_inputs: float = LINEAR_INPUTS, frozen_layers: int = 0) -> Terms:
     """A trained forward and backward over `sequences` x `seq` tokens on one rank: what the stand-in's
-    blocks save for the backward (`layers` of them, default all, of which `frozen_layers` keep no linear
-    inputs; with gradient checkpointing only their inputs plus one block rebuilt), the embedding and final
-    LayerNorm outputs, and `logits_copies` [sequences, seq, vocab] tensors counted in units of the compute
-    dtype (an fp32 upcast counts 2 at 16 bits)."""
+    blocks save for the backward (all of them, of which `frozen_layers` keep no linear inputs; with gradient
+    checkpointing only their inputs plus one block rebuilt), the embedding and final LayerNorm outputs, and
+    `logits_copies` [sequences, seq, vocab] tensors counted in units of the compute dtype (an fp32 upcast
+    counts 2 at 16 bits)."""
     arch = shape.arch
     vb = shape.value_bytes
-    n = arch.layers if layers is None else layers
+    n = arch.layers
     sbh = sequences * seq * arch.hidden
     drop = dropout and shape.dropout > 0
 
