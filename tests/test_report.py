@@ -133,7 +133,7 @@ def test_html_report_renders_in_headless_chromium(report_dir):
         browser.close()
     assert not errors, errors
     assert widths and all(w > 0 for w in widths), widths  # every inlined figure decoded
-    assert tables == 7  # memory, throughput, stability, runs, differences, fixed cost, claims
+    assert tables == 8  # memory, throughput, stability, runs, differences, fixed cost, memory model, claims
     assert shot.stat().st_size > 20_000
 
 
