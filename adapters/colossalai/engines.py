@@ -85,13 +85,15 @@ class Engines:
         else:
             model.eval()
 
-    def _value_plugin(self, plugin: Any) -> Any:
-        """coati boosts value models under 3d with a second plugin whose policy is their backbone's."""
+    def _value_plugin(self, plugin: Any, value_model: torch.nn.Module) -> Any:
+        """coati boosts value models under 3d with a second plugin whose policy is their backbone's, looked up
+        on the model it has (train_rm.py `get_autopolicy(model.model)`, train_ppo.py
+        `get_autopolicy(reward_model.model)`): no other model is built for it."""
         if self.plugin.cls != "HybridParallelPlugin":
             return plugin
         from colossalai.shardformer.policies.auto_policy import get_autopolicy
 
-        return self._make_plugin(custom_policy=get_autopolicy(build_backbone(self.spec.model)))
+        return self._make_plugin(custom_policy=get_autopolicy(value_model.model))
 
     def setup(self, stage: str, init: dict[str, str]) -> None:
         plugin = self._plugin
@@ -106,7 +108,7 @@ class Engines:
             self._lora(model)
             if self.spec.grad_ckpt:
                 model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self._boost("reward", model, self.spec.stage_lr("rm"), self._value_plugin(plugin))
+            self._boost("reward", model, self.spec.stage_lr("rm"), self._value_plugin(plugin, model))
         else:
             self._setup_ppo(init, plugin)
         optimizer = "HybridAdam" if self.options.optimizer == "hybrid_adam" else "torch AdamW"
@@ -116,10 +118,10 @@ class Engines:
             self._notes.append("no gradient clipping: ColossalChat's ddp path passes no max_norm")
 
     def _setup_ppo(self, init: dict[str, str], plugin: Any) -> None:
-        value_plugin = self._value_plugin(plugin)
         actor = self._lm(init.get("sft"))
         critic_ckpt = init.get("rm") if self.options.critic_from_rm else None
         critic = self._value_model(Critic, critic_ckpt, backbone_from_lm=init.get("sft"))
+        value_plugin = self._value_plugin(plugin, critic)
         self._lora(actor)
         self._lora(critic)
         set_dropout(actor, 0.0)  # train_ppo.py: disable_dropout(actor), disable_dropout(critic)
