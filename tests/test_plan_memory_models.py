@@ -84,3 +84,24 @@ def test_record_entry_keeps_terms_and_errors():
     assert "error" not in entry["phases"]["init"]  # nothing measured for it here
     assert set(training["physics_bytes"]) <= {"params", "grads", "optimizer", "activations", "logits", "cache",
                                               "buffers", "lora", "other", "host"}
+
+
+def test_deepspeed_engine_build_by_hand():
+    from adapters.deepspeed_memory import engine_build
+
+    # glm-base, ZeRO-2 on 2 ranks, bf16, everything trained (109 M): weights cast in place (2 B), the flat copy
+    # of the trained ones (2 B), the fp32 master and gradient partitions (8 B / 2): 2 + 2 + 4 = 8 B a
+    # parameter while wrapping (832 MiB; RSS measured 838 around deepspeed.initialize), 6 B after (630)
+    during, after = engine_build(108_943_872, 108_943_872, 2, 2, 2, mixed=True)
+    assert during.device == 8 * 108_943_872 and after.device == 6 * 108_943_872
+    # trlx's RM trains 45 M of them: 2 x 108.9 M + 2 x 45.2 M + 8 x 45.2 M / 2 = 466 MiB (measured 476)
+    assert engine_build(108_944_640, 45_153_792, 2, 2, 2, True)[0].device / 2**20 == pytest.approx(466.2, abs=0.1)
+    # fp32: the flat copy is the peak, no gradient partition up front: 4 + 4 B (832 MiB; measured 887)
+    assert engine_build(108_943_872, 108_943_872, 4, 2, 2, mixed=False)[0].device == 8 * 108_943_872
+
+
+def test_colossalai_rm_init_builds_no_second_model():
+    # the value plugin's policy is looked up on the model itself (as coati's train_rm.py): the RM at ZeRO-0
+    # under 3d holds its bf16 weights and fp32 master at init, 623 MiB (measured 636-638 after the fix)
+    spec = spec_from_config(compose(["framework=colossalai", "stage=rm", *BASE, "zero=0"]))
+    assert physics(spec, "rm")["init"].device / 2**20 == pytest.approx(623.4, abs=0.5)

@@ -10,7 +10,7 @@ wrapped weights freeze, biases and unconverted parameters train.
 
 from __future__ import annotations
 
-from adapters.deepspeed_memory import eager_gradient_bytes, gradient_terms, resident_buffers
+from adapters.deepspeed_memory import eager_gradient_bytes, engine_build, gradient_terms, resident_buffers
 from bench.plan.physics import Terms, peak, total
 from bench.plan.run_shape import (
     RunShape,
@@ -21,7 +21,6 @@ from bench.plan.run_shape import (
     generation_cache,
     hf_loss_logits,
     role_state,
-    without_moments,
 )
 
 
@@ -40,38 +39,54 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
     shard = dp if zero >= 3 else 1
 
-    def trained(role: str, lora: int) -> tuple[Terms, Terms, Terms]:
-        """(state, gradients at the end of a backward, state at initialisation)."""
+    def trained(role: str, lora: int) -> tuple[Terms, Terms, Terms, Terms]:
+        """(state, gradients at the end of a backward, its engine's peak while built, what it holds after)."""
         params, trainable = role_params(shape, role, lora)
         state = role_state(params, trainable, vb, zero, dp, master=True)
         eager = Terms(grads=eager_gradient_bytes(trainable, shape.precision, zero))
-        # ZeRO-1/2 at one rank makes Adam's moments at the first step (measured), more ranks at init; ZeRO-3's
-        # bucket pages become resident at the first backward on the host, at allocation on a GPU
-        at_init = without_moments(state, trainable, 1) if zero in (1, 2) and dp == 1 else state
         buffers = resident_buffers(trainable, vb, zero, shape.device)
-        if shape.device == "cuda":
-            at_init = at_init + buffers
-        return state + buffers, gradient_terms(trainable, vb, zero, dp, shape.precision), at_init + eager
+        grads = gradient_terms(trainable, vb, zero, dp, shape.precision)
+        if zero in (1, 2):  # built whole in fp32, then wrapped (measured around deepspeed.initialize)
+            during, after = engine_build(params, trainable, vb, zero, dp, shape.mixed)
+            return state, grads, peak(build_transient(shape, params), during), after
+        # ZeRO-0: the BF16_Optimizer makes every state and its fp32 gradients at once; ZeRO-3 builds the
+        # partitions inside zero.Init, and its bucket's pages become resident at the first backward on the
+        # host, at allocation on a GPU
+        at_init = state + eager + (buffers if shape.device == "cuda" else Terms())
+        if zero == 0:
+            at_init = peak(at_init, build_transient(shape, params))
+        return state + buffers, grads, at_init, at_init
 
     if shape.stage in ("sft", "rm"):
         role = "actor" if shape.stage == "sft" else "reward"
-        state, grads, init = trained(role, shape.lora)
-        if zero < 3:  # built whole in fp32 outside zero.Init
-            init = peak(init, build_transient(shape, role_params(shape, role, shape.lora)[0]))
+        state, grads, init, _ = trained(role, shape.lora)
         if shape.stage == "sft":
             work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True)
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True)
-        phases = {"init": init, "training": state + Terms(grads=init.grads) + grads + work}
+        phases = {"init": init, "training": state + Terms(grads=eager_gradient_bytes(
+            role_params(shape, role, shape.lora)[1], shape.precision, zero)) + grads + work}
         if shape.stage == "rm":
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
         return phases
 
-    actor, actor_grads, actor_init = trained("actor", shape.lora)
-    critic, critic_grads, critic_init = trained("critic", shape.options.get("critic_lora_dim", 0))
-    frozen = total([frozen_state(role_params(shape, role, 0)[0], vb, shard) for role in ("ref", "reward")])
+    actor, actor_grads, actor_during, actor_after = trained("actor", shape.lora)
+    critic, critic_grads, critic_during, critic_after = trained("critic", shape.options.get("critic_lora_dim", 0))
+    frozen_params = {role: role_params(shape, role, 0)[0] for role in ("ref", "reward")}
+    frozen = total([frozen_state(p, vb, shard) for p in frozen_params.values()])
     resident = actor + critic + frozen
-    eager = Terms(grads=actor_init.grads + critic_init.grads)
+    eager = Terms(grads=eager_gradient_bytes(role_params(shape, "actor", shape.lora)[1], shape.precision, zero)
+                  + eager_gradient_bytes(role_params(shape, "critic", 0)[1], shape.precision, zero))
+    ref_after = frozen_state(frozen_params["ref"], vb, shard)
+    # engines are built one after another (actor, reference, critic, reward): each one's build on top of
+    # what the ones before it keep; outside zero.Init a frozen model is also built whole in fp32 first
+    whole = zero < 3
+    init = peak(
+        actor_during,
+        actor_after + (build_transient(shape, frozen_params["ref"]) if whole else ref_after),
+        actor_after + ref_after + critic_during,
+        actor_after + ref_after + critic_after + (build_transient(shape, frozen_params["reward"]) if whole
+                                                  else frozen_state(frozen_params["reward"], vb, shard)))
     seq = shape.seq
     critic_dropout = shape.options.get("critic_dropout")
     critic_dropout = True if critic_dropout is None else critic_dropout > 0
@@ -81,7 +96,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     critic_pass = critic_grads + forward_backward(shape, shape.batch, seq, dropout=critic_dropout)
     heavier = actor_pass if actor_pass.device >= critic_pass.device else critic_pass
     return {
-        "init": actor_init + critic_init + frozen,
+        "init": init,
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
         "experience": resident + generation_cache(shape, copies=2) + forward_only(shape, shape.batch, seq, 3),
         "training": resident + eager + heavier,

@@ -15,7 +15,7 @@ over the whole rollout.
 
 from __future__ import annotations
 
-from adapters.deepspeed_memory import gradient_terms, resident_buffers
+from adapters.deepspeed_memory import engine_build, gradient_terms, resident_buffers
 from bench.plan.physics import Terms, peak
 from bench.plan.run_shape import (
     RunShape,
@@ -77,10 +77,12 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     role = shape.stage
     params, trainable = role_params(shape, role, shape.lora)
     state, grads = _engine(shape, params, trainable)
-    # built whole in fp32 on every rank (ZeRO-3 too: no zero.Init, see the fidelity table); DeepSpeed then
-    # casts it and makes its optimizer states; DDP keeps the fp32 weights and adds its gradient buckets
-    if shape.zero == 0:
-        init = Terms(params=state.params, buffers=4 * trainable)
+    # built whole in fp32 on every rank (ZeRO-3 too: no zero.Init, see the fidelity table), then wrapped
+    if shape.zero == 0:  # DDP's construction broadcasts every parameter (frozen ones too) through copies
+        init = Terms(params=state.params, buffers=4 * params)
+    elif shape.zero < 3:  # measured around accelerator.prepare (bench.plan's engine_build)
+        init = peak(build_transient(shape, params),
+                    engine_build(params, trainable, vb, shape.zero, shape.data_parallel, shape.mixed)[0])
     else:  # ZeRO-3's bucket pages become resident at the first backward on the host
         at_init = state if shape.device == "cuda" else Terms(params=state.params, optimizer=state.optimizer)
         init = peak(at_init, build_transient(shape, params))
