@@ -44,6 +44,15 @@ def _raise_cut_short(signum: int, _frame) -> None:
     raise CutShort(f"cut short by {signal.Signals(signum).name}")
 
 
+_late_signals: list[str] = []
+
+
+def _note_late_signal(signum: int, _frame) -> None:
+    """Once a rank is closing, a SIGTERM (torchrun stopping the survivors of a rank that died) must not cost
+    what it measured: it is noted, not raised."""
+    _late_signals.append(signal.Signals(signum).name)
+
+
 def resolve_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -144,6 +153,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
                 result.update(loop.partial())
         print(result["error"]["traceback"], file=sys.stderr)
     finally:
+        signal.signal(signal.SIGTERM, _note_late_signal)
         for observer in observers:  # after a failure too: wandb must close its run files
             observer.stop()
         if tracker is not None:
@@ -156,6 +166,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
                 result.setdefault("notes", []).append(f"close failed: {err}")
             result["close_s"] = time.perf_counter() - start
+        if _late_signals:
+            result.setdefault("notes", []).append(f"{', '.join(_late_signals)} arrived while the rank was closing")
     return result
 
 
