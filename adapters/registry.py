@@ -67,3 +67,10 @@ def memory_model(name: str) -> Any | None:
     """The framework's memory model (RunShape -> {phase: Terms}), or None where it has none yet."""
     path = _ENTRIES[name].memory
     return _load(path) if path else None
+
+
+def zero0_own_engine(name: str) -> bool:
+    """Whether the framework's ZeRO-0 runs on another engine than its ZeRO stages (its memory model's
+    ZERO0_OWN_ENGINE), so that the memory model's calibration fits it apart."""
+    path = _ENTRIES[name].memory
+    return bool(path) and bool(getattr(importlib.import_module(path.partition(":")[0]), "ZERO0_OWN_ENGINE", False))

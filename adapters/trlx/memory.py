@@ -28,6 +28,11 @@ from bench.plan.run_shape import (
     role_state,
 )
 
+# ZeRO-0 is accelerate's DDP (fp32 weights, autocast), not DeepSpeed: its allocator residual is its own, so the
+# calibration fits it apart (bench.plan.calibration; at ZeRO-0 trlx's PPO experience keeps ~200 MiB more heap
+# beyond its tensors than at ZeRO-2)
+ZERO0_OWN_ENGINE = True
+
 
 def _unfrozen(shape: RunShape, key: str, default: float) -> int:
     layers = shape.arch.layers

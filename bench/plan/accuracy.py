@@ -14,7 +14,8 @@ from typing import Any
 
 from bench.plan import calibration
 from bench.plan.calibration import Calibration
-from bench.plan.predict import predict_stage
+from bench.plan.physics import dtype_bytes
+from bench.plan.predict import predict_stage, regime_of
 from bench.run.spec import SpecError, spec_from_config
 
 
@@ -27,6 +28,7 @@ class Comparison:
     model: str
     seed: int
     regime: str
+    value_bytes: int  # the width of the run's values: the calibration scales with it
     cell: str  # the configuration without its seed: runs that differ only in the seed share it
     label: str  # the configuration in a few words
     measured: float
@@ -94,7 +96,7 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
                     continue
                 p = predicted[phase]
                 out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
-                                      calibration.regime(spec.zero, spec.lora), _cell(config, stage),
+                                      regime_of(spec), dtype_bytes(spec.precision), _cell(config, stage),
                                       _label(spec), measured, p.physics.device, p.predicted))
     return out
 

@@ -1,14 +1,19 @@
 """Per-framework calibration of the memory model: what the physics leaves unexplained, fitted from measured
 runs and kept apart from it.
 
-One term per framework, stage, phase and regime: the median, over the fitted runs, of measured minus
-predicted growth (an offset in bytes). Regimes: `zero3` (parameters gathered block by block: the measured
-heap fragmentation, scripts/engine_buffers.py), `lora` (many small trained tensors: a different allocator
+One term per framework, stage, phase and regime: the median, over the fitted runs, of measured minus predicted
+growth, per 16-bit width of the run's values (an offset in bytes at 16 bits, twice that in fp32: the heap
+freed tensors leave behind is as wide as they are). Regimes: `zero3` (parameters gathered block by block: the
+measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framework's ZeRO-0 is another engine
+(trlx: accelerate's DDP with fp32 weights and autocast; its memory model says so with ZERO0_OWN_ENGINE;
+without fitted runs it takes `full`'s offset), `lora` (many small trained tensors: a different allocator
 pattern) and `full`. What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
-later phase reuses or that fragmentation pins), communication buffers the physics does not name, and
-build-time transients. It is fitted on named runs (`fitted_on`), stored next to the framework's memory model
-(adapters/<framework>/memory_calibration.json) and applied only on the device it was fitted on; the report
-shows the error with and without it, on the runs it was fitted on and on the others.
+later phase reuses or that fragmentation pins: torch's own live bytes over a trlx RM step peak at the
+activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp32
+(scripts/step_live_bytes.py), while RSS rises some 380 and 690 MiB further), communication buffers the physics
+does not name, and build-time transients. It is fitted on named runs (`fitted_on`), stored next to the
+framework's memory model (adapters/<framework>/memory_calibration.json) and applied only on the device it was
+fitted on; the report shows the error with and without it, on the runs it was fitted on and on the others.
 """
 
 from __future__ import annotations
@@ -27,17 +32,29 @@ CALIBRATION_FILE = "memory_calibration.json"
 class Calibration:
     framework: str
     device: str
-    offsets_bytes: dict[str, float]  # "stage/phase/regime" -> bytes added to the physics
+    offsets_bytes: dict[str, float]  # "stage/phase/regime" -> bytes added to the physics at 16-bit values
     fitted_on: dict[str, Any] = field(default_factory=dict)  # what the fit read: source, selection, runs
-    method: str = ("per stage, phase and regime (zero3, lora, full): median over the fitted runs of (measured - "
-                   "physics) growth over the post-import baseline, busiest rank")
+    method: str = ("per stage, phase and regime (zero3; zero0 where ZeRO-0 is another engine; lora; full): median "
+                   "over the fitted runs of (measured - physics) growth over the post-import baseline, busiest rank, "
+                   "per 16-bit value width (doubled in fp32); zero0 without fitted runs takes full's offset")
 
-    def offset(self, key: str, device: str) -> float:
-        return self.offsets_bytes.get(key, 0.0) if device == self.device else 0.0
+    def offset(self, key: str, device: str, value_bytes: int = 2) -> float:
+        """Bytes added to the physics for a run of `key`'s regime whose values are `value_bytes` wide."""
+        if device != self.device:
+            return 0.0
+        fallback = key.removesuffix("/zero0") + "/full" if key.endswith("/zero0") else key
+        per_16_bits = self.offsets_bytes.get(key, self.offsets_bytes.get(fallback, 0.0))
+        return per_16_bits * width(value_bytes)
 
 
-def regime(zero: int, lora: int) -> str:
-    return "zero3" if zero >= 3 else "lora" if lora else "full"
+def width(value_bytes: int) -> float:
+    """A run's value width in units of 16 bits: what an offset scales with."""
+    return value_bytes / 2
+
+
+def regime(zero: int, lora: int, zero0_own_engine: bool = False) -> str:
+    """The calibration regime of a run: which engine path it takes."""
+    return "zero3" if zero >= 3 else "zero0" if zero == 0 and zero0_own_engine else "lora" if lora else "full"
 
 
 def key(stage: str, phase: str, regime_: str) -> str:
@@ -49,12 +66,13 @@ class Residual:
     key: str
     measured: float
     physics: float
+    value_bytes: int = 2
 
 
 def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any]) -> Calibration:
     by_phase: dict[str, list[float]] = {}
     for r in residuals:
-        by_phase.setdefault(r.key, []).append(r.measured - r.physics)
+        by_phase.setdefault(r.key, []).append((r.measured - r.physics) / width(r.value_bytes))
     offsets = {phase: float(statistics.median(values)) for phase, values in sorted(by_phase.items())}
     return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on)
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from adapters import registry
 from bench.plan import calibration
-from bench.plan.physics import Terms
+from bench.plan.physics import Terms, dtype_bytes
 from bench.plan.run_shape import RunShape
 from bench.run.spec import RunSpec
 
@@ -45,9 +45,15 @@ def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
     if terms is None:
         return None
     cal = calibration.load(registry.package(spec.framework)) if calibrated else None
-    regime = calibration.regime(spec.zero, spec.lora)
-    return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device) if cal else 0.0)
+    regime, value_bytes = regime_of(spec), dtype_bytes(spec.precision)
+    return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device, value_bytes)
+                                   if cal else 0.0)
             for phase, t in terms.items()}
+
+
+def regime_of(spec: RunSpec) -> str:
+    """The calibration regime of a run (bench.plan.calibration.regime), as its framework splits them."""
+    return calibration.regime(spec.zero, spec.lora, registry.zero0_own_engine(spec.framework))
 
 
 def record_entry(spec: RunSpec, stage: str, device: str, memory: dict[str, Any]) -> dict[str, Any] | None:

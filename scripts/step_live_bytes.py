@@ -1,0 +1,84 @@
+"""Torch's own live bytes over one training step, against the memory model's transient terms.
+
+The memory model's calibration stands for what RSS holds beyond torch's tensors (allocator slack). This
+diagnostic checks that split: it runs one warm-up step of an adapter's SFT or RM stage, then profiles the next
+with torch's profiler (memory events: every op's allocations less its frees, in order) and prints the peak of
+the running sum over the step's start -- the tensors alive at once -- beside the physics' gradients, buffers,
+activations and logits for the same run. Allocations of 256 MiB or more are listed apart: DeepSpeed's reduce
+bucket is allocated whole (`reduce_bucket_size` values) but only the pages a backward writes become resident.
+
+    torchrun --standalone --nproc_per_node 2 scripts/step_live_bytes.py framework=trlx stage=rm model=glm-base \
+        precision=fp32 zero=2 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
+
+Rank 0 prints; any framework with a memory model; `stage=sft|rm`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from adapters import registry  # noqa: E402
+from adapters.base import RankContext  # noqa: E402
+from bench.plan.predict import physics  # noqa: E402
+from bench.run.config import compose  # noqa: E402
+from bench.run.data import SyntheticData  # noqa: E402
+from bench.run.spec import spec_from_config  # noqa: E402
+from bench.run.worker import resolve_device  # noqa: E402
+
+MIB = 2**20
+WHOLE = 256 * MIB  # allocations this large are buffers allocated whole (a reduce bucket), listed apart
+
+
+def live_peak(events: list) -> tuple[float, float]:
+    """(peak of the running sum of the ops' own allocations less frees, in start order; the same without the
+    allocations of WHOLE bytes or more)."""
+    live = peak = whole = peak_small = 0.0
+    for event in sorted(events, key=lambda e: e.time_range.start):
+        change = event.self_cpu_memory_usage
+        live += change
+        if change >= WHOLE:
+            whole += change
+        elif change <= -WHOLE:
+            whole = max(0.0, whole + change)
+        peak, peak_small = max(peak, live), max(peak_small, live - whole)
+    return peak, peak_small
+
+
+def main(overrides: list[str]) -> None:
+    spec = spec_from_config(compose(overrides))
+    stage = spec.stage if spec.stage in ("sft", "rm") else "sft"
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    torch.set_num_threads(spec.launcher.threads_per_rank)
+    device = resolve_device(spec.launcher.device, local_rank)
+    adapter = registry.adapter_class(spec.framework)(spec, RankContext(rank, world, local_rank, device))
+    adapter.setup(stage, {})
+    data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
+                         adapter.data_parallel_rank)
+
+    def step(i: int) -> None:
+        adapter.sft_step(data.sft(i)) if stage == "sft" else adapter.rm_step(data.preferences(i))
+
+    step(0)  # warm-up: Adam's moments and the engines' lazily made buffers exist from here on
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step(1)
+    peak, peak_small = live_peak([e for e in prof.events() if e.self_cpu_memory_usage])
+    terms = (physics(spec, stage, device.type) or {}).get("training")
+    if rank == 0:
+        print(f"{spec.framework} {stage} {spec.model.name} {spec.precision} ZeRO-{spec.zero} LoRA {spec.lora}: "
+              f"torch's live bytes over the step's start peak at {peak / MIB:,.0f} MiB, "
+              f"{peak_small / MIB:,.0f} MiB without allocations of {WHOLE // MIB} MiB or more")
+        if terms is not None:
+            print(f"  physics: gradients {terms.grads / MIB:,.0f}, buffers {terms.buffers / MIB:,.0f}, "
+                  f"activations {terms.activations / MIB:,.0f}, logits {terms.logits / MIB:,.0f} MiB")
+    adapter.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

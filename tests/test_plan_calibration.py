@@ -1,0 +1,39 @@
+"""The memory model's calibration: medians per regime at 16-bit width, scaled by a run's width, fallbacks.
+
+Values worked by hand in each test."""
+
+from __future__ import annotations
+
+from bench.plan import calibration
+from bench.plan.calibration import Calibration, Residual
+
+MiB = 2**20
+
+
+def test_regimes_split_zero0_only_where_the_framework_runs_it_on_another_engine() -> None:
+    assert calibration.regime(0, 0) == "full"
+    assert calibration.regime(0, 0, zero0_own_engine=True) == "zero0"
+    assert calibration.regime(0, 64, zero0_own_engine=True) == "zero0"  # the engine decides before LoRA
+    assert calibration.regime(2, 64, zero0_own_engine=True) == "lora"
+    assert calibration.regime(3, 64) == "zero3"
+
+
+def test_fit_takes_the_median_per_16_bit_width() -> None:
+    # bf16 residuals 300 and 400 MiB; fp32 residual 700 MiB is 350 per 16 bits: median of 300, 350, 400 = 350
+    key = calibration.key("rm", "training", "full")
+    residuals = [Residual(key, 1300 * MiB, 1000 * MiB, 2), Residual(key, 1400 * MiB, 1000 * MiB, 2),
+                 Residual(key, 2700 * MiB, 2000 * MiB, 4)]
+    cal = calibration.fit("trlx", "cpu", residuals, {})
+    assert cal.offsets_bytes == {key: 350 * MiB}
+    assert cal.offset(key, "cpu", 2) == 350 * MiB
+    assert cal.offset(key, "cpu", 4) == 700 * MiB  # twice as wide, twice the slack
+
+
+def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:
+    cal = Calibration("trlx", "cpu", {"ppo/training/full": 100.0, "ppo/training/zero0": 40.0,
+                                      "sft/training/full": 10.0})
+    assert cal.offset("ppo/training/zero0", "cpu") == 40.0
+    assert cal.offset("sft/training/zero0", "cpu") == 10.0  # never fitted: full's offset
+    assert cal.offset("sft/training/zero0", "cpu", 4) == 20.0
+    assert cal.offset("rm/training/full", "cpu") == 0.0  # nothing fitted for the stage
+    assert cal.offset("ppo/training/full", "cuda") == 0.0  # fitted on the CPU: not a GPU's slack
