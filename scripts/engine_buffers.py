@@ -19,19 +19,15 @@ import sys
 from typing import Any
 
 import psutil
-import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from adapters import registry  # noqa: E402
-from adapters.base import RankContext  # noqa: E402
 from adapters.deepspeed_state import zero3_masters  # noqa: E402
 from bench.measure.held import Held, held_tensors, resident_bytes, storages  # noqa: E402
 from bench.measure.memory import malloc_live_bytes  # noqa: E402
 from bench.run.config import compose  # noqa: E402
-from bench.run.data import SyntheticData  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from bench.run.worker import resolve_device  # noqa: E402
+from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 
@@ -69,15 +65,8 @@ def main(overrides: list[str]) -> None:
     if spec.framework != "dschat":
         raise SystemExit(f"framework={spec.framework}: this diagnostic reads DS-Chat's DeepSpeed engines; allowed: "
                          "framework=dschat")
-    stage = spec.stage if spec.stage in ("sft", "rm") else "sft"
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.set_num_threads(spec.launcher.threads_per_rank)
-    device = resolve_device(spec.launcher.device, local_rank)
-    adapter = registry.adapter_class(spec.framework)(spec, RankContext(rank, world, local_rank, device))
-    adapter.setup(stage, {})
-    data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
-                         adapter.data_parallel_rank)
+    run = DiagnosticRank.start(spec)
+    adapter, rank = run.adapter, run.rank
     engines = {role: e for role, e in adapter.engines.items() if getattr(e, "optimizer", None) is not None}
     step = 0
     for role, engine in engines.items():
@@ -90,11 +79,8 @@ def main(overrides: list[str]) -> None:
             return _original(*args, **kwargs)
 
         engine.optimizer.step = inspected
-    for step in range(spec.steps[stage]):
-        if stage == "sft":
-            adapter.sft_step(data.sft(step))
-        else:
-            adapter.rm_step(data.preferences(step))
+    for step in range(spec.steps[run.stage]):
+        run.step(step)
     adapter.close()
 
 

@@ -18,18 +18,14 @@ from __future__ import annotations
 import os
 import sys
 
-import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from adapters import registry  # noqa: E402
-from adapters.base import RankContext  # noqa: E402
 from bench.plan.predict import physics  # noqa: E402
 from bench.run.config import compose  # noqa: E402
-from bench.run.data import SyntheticData  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from bench.run.worker import resolve_device  # noqa: E402
+from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 WHOLE = 256 * MIB  # allocations this large are buffers allocated whole (a reduce bucket), listed apart
@@ -52,32 +48,21 @@ def live_peak(events: list) -> tuple[float, float]:
 
 def main(overrides: list[str]) -> None:
     spec = spec_from_config(compose(overrides))
-    stage = spec.stage if spec.stage in ("sft", "rm") else "sft"
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    torch.set_num_threads(spec.launcher.threads_per_rank)
-    device = resolve_device(spec.launcher.device, local_rank)
-    adapter = registry.adapter_class(spec.framework)(spec, RankContext(rank, world, local_rank, device))
-    adapter.setup(stage, {})
-    data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
-                         adapter.data_parallel_rank)
-
-    def step(i: int) -> None:
-        adapter.sft_step(data.sft(i)) if stage == "sft" else adapter.rm_step(data.preferences(i))
-
-    step(0)  # warm-up: Adam's moments and the engines' lazily made buffers exist from here on
+    run = DiagnosticRank.start(spec)
+    stage = run.stage
+    run.step(0)  # warm-up: Adam's moments and the engines' lazily made buffers exist from here on
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step(1)
+        run.step(1)
     peak, peak_small = live_peak([e for e in prof.events() if e.self_cpu_memory_usage])
-    terms = (physics(spec, stage, device.type) or {}).get("training")
-    if rank == 0:
+    terms = (physics(spec, stage, run.device.type) or {}).get("training")
+    if run.rank == 0:
         print(f"{spec.framework} {stage} {spec.model.name} {spec.precision} ZeRO-{spec.zero} LoRA {spec.lora}: "
               f"torch's live bytes over the step's start peak at {peak / MIB:,.0f} MiB, "
               f"{peak_small / MIB:,.0f} MiB without allocations of {WHOLE // MIB} MiB or more")
         if terms is not None:
             print(f"  physics: gradients {terms.grads / MIB:,.0f}, buffers {terms.buffers / MIB:,.0f}, "
                   f"activations {terms.activations / MIB:,.0f}, logits {terms.logits / MIB:,.0f} MiB")
-    adapter.close()
+    run.adapter.close()
 
 
 if __name__ == "__main__":
