@@ -143,6 +143,7 @@ class Adapter(ABC):
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         self.spec = spec
         self.ctx = ctx
+        self.quantized: dict[str, Any] = {}  # role -> adapters.quantize.QuantizedRole, filled by setup()
 
     @abstractmethod
     def setup(self, stage: str, init: dict[str, str]) -> None:
@@ -232,6 +233,16 @@ class Adapter(ABC):
     def computation_dtypes(self) -> dict[str, str]:
         """The dtype each loss-side computation used (log-probs, values, losses), as last seen."""
         return {}
+
+    def engine_knobs(self) -> dict[str, dict[str, float]]:
+        """The common knobs as the built engines apply them, read back from the engines (not the config), per
+        knob and trained role: `grad_clip` (0 = no clipping)."""
+        return {}
+
+    def quantized_roles(self) -> dict[str, dict[str, Any]]:
+        """Per frozen role held in 8 or 4 bits on this rank (reference.quant, reward.quant): what
+        adapters.quantize.quantize_role measured."""
+        return {role: entry.as_dict() for role, entry in self.quantized.items()}
 
     def upstream_defects(self) -> list[dict[str, str]]:
         """Known defects of the upstream engine this run hits: id, where, effect, and how the run handles it."""

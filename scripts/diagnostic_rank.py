@@ -1,5 +1,6 @@
-"""One rank of an adapter's SFT or RM stage, set up outside the harness for the diagnostics in scripts/ (run
-under torchrun; the launcher's environment names the rank)."""
+"""One rank of an adapter's SFT, RM or PPO stage, set up outside the harness for the diagnostics in scripts/
+(run under torchrun; the launcher's environment names the rank). PPO starts from random weights (no SFT or RM
+checkpoint): what the diagnostics read is memory, not learning."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from bench.run.worker import resolve_device  # noqa: E402
 @dataclass
 class DiagnosticRank:
     spec: RunSpec
-    stage: str  # sft | rm
+    stage: str  # sft | rm | ppo
     rank: int
     device: torch.device
     adapter: Any
@@ -30,8 +31,8 @@ class DiagnosticRank:
 
     @classmethod
     def start(cls, spec: RunSpec) -> DiagnosticRank:
-        """The adapter set up for the spec's stage (sft when the spec names another)."""
-        stage = spec.stage if spec.stage in ("sft", "rm") else "sft"
+        """The adapter set up for the spec's stage (sft for a pipeline)."""
+        stage = spec.stage if spec.stage in ("sft", "rm", "ppo") else "sft"
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.set_num_threads(spec.launcher.threads_per_rank)
@@ -43,7 +44,14 @@ class DiagnosticRank:
         return cls(spec, stage, rank, device, adapter, data)
 
     def step(self, i: int) -> None:
+        """One training step; in PPO a whole one (rollout, experience, update)."""
         if self.stage == "sft":
             self.adapter.sft_step(self.data.sft(i))
-        else:
+        elif self.stage == "rm":
             self.adapter.rm_step(self.data.preferences(i))
+        else:
+            self.adapter.ppo_train(self.experience(i))
+
+    def experience(self, i: int) -> Any:
+        """PPO's rollout of step i and the experience made from it."""
+        return self.adapter.make_experience(self.adapter.generate(self.data.prompts(i)))

@@ -1,16 +1,17 @@
-"""Torch's own live bytes over one training step, against the memory model's transient terms.
+"""Torch's own live bytes over one training step (or PPO's experience), against the memory model's terms.
 
 The memory model's calibration stands for what RSS holds beyond torch's tensors (allocator slack). This
-diagnostic checks that split: it runs one warm-up step of an adapter's SFT or RM stage, then profiles the next
-with torch's profiler (memory events: every op's allocations less its frees, in order) and prints the peak of
-the running sum over the step's start -- the tensors alive at once -- beside the physics' gradients, buffers,
-activations and logits for the same run. Allocations of 256 MiB or more are listed apart: DeepSpeed's reduce
-bucket is allocated whole (`reduce_bucket_size` values) but only the pages a backward writes become resident.
+diagnostic checks that split: it runs one warm-up step of an adapter's SFT, RM or PPO stage, then profiles the
+next -- in PPO the next experience, after its rollout -- with torch's profiler (memory events: every op's
+allocations less its frees, in order) and prints the peak of the running sum over its start (the tensors alive
+at once) and the RSS growth over the same span, beside the physics' transient terms for the same run.
+Allocations of 256 MiB or more are listed apart: DeepSpeed's reduce bucket is allocated whole
+(`reduce_bucket_size` values) but only the pages a backward writes become resident.
 
     torchrun --standalone --nproc_per_node 2 scripts/step_live_bytes.py framework=trlx stage=rm model=glm-base \
         precision=fp32 zero=2 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
 
-Rank 0 prints; any framework with a memory model; `stage=sft|rm`.
+Rank 0 prints; any framework with a memory model; `stage=sft|rm|ppo`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
+import psutil
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -46,22 +48,43 @@ def live_peak(events: list) -> tuple[float, float]:
     return peak, peak_small
 
 
+def resident_high_water(start: int) -> int:
+    """How far this process's resident high-water mark (VmHWM) stands above `start` bytes; the profiled span
+    reset it first (Linux: /proc/self/clear_refs), so it is the span's own peak."""
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return hwm - start
+
+
+def reset_high_water() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
 def main(overrides: list[str]) -> None:
     spec = spec_from_config(compose(overrides))
     run = DiagnosticRank.start(spec)
     stage = run.stage
     run.step(0)  # warm-up: Adam's moments and the engines' lazily made buffers exist from here on
+    phase = "experience" if stage == "ppo" else "training"
+    rollout = run.adapter.generate(run.data.prompts(1)) if stage == "ppo" else None
+    reset_high_water()
+    rss = psutil.Process().memory_info().rss
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run.step(1)
+        run.adapter.make_experience(rollout) if rollout is not None else run.step(1)
+    high_water = resident_high_water(rss)
     peak, peak_small = live_peak([e for e in prof.events() if e.self_cpu_memory_usage])
-    terms = (physics(spec, stage, run.device.type) or {}).get("training")
+    terms = (physics(spec, stage, run.device.type) or {}).get(phase)
     if run.rank == 0:
-        print(f"{spec.framework} {stage} {spec.model.name} {spec.precision} ZeRO-{spec.zero} LoRA {spec.lora}: "
-              f"torch's live bytes over the step's start peak at {peak / MIB:,.0f} MiB, "
-              f"{peak_small / MIB:,.0f} MiB without allocations of {WHOLE // MIB} MiB or more")
+        quant = f" reference.quant={spec.reference.quant} reward.quant={spec.reward.quant}" if stage == "ppo" else ""
+        print(f"{spec.framework} {stage} {spec.model.name} {spec.precision} ZeRO-{spec.zero} LoRA {spec.lora}{quant}, "
+              f"{phase}: torch's live bytes over its start peak at {peak / MIB:,.0f} MiB, "
+              f"{peak_small / MIB:,.0f} MiB without allocations of {WHOLE // MIB} MiB or more; RSS rose "
+              f"{high_water / MIB:,.0f} MiB")
         if terms is not None:
-            print(f"  physics: gradients {terms.grads / MIB:,.0f}, buffers {terms.buffers / MIB:,.0f}, "
-                  f"activations {terms.activations / MIB:,.0f}, logits {terms.logits / MIB:,.0f} MiB")
+            print(f"  physics ({phase}): gradients {terms.grads / MIB:,.0f}, buffers {terms.buffers / MIB:,.0f}, "
+                  f"activations {terms.activations / MIB:,.0f}, logits {terms.logits / MIB:,.0f}, cache "
+                  f"{terms.cache / MIB:,.0f} MiB")
     run.adapter.close()
 
 

@@ -43,6 +43,8 @@ def test_sft_rm_ppo_pipeline_on_accelerate(run_bench, zero, precision, lora, npr
         assert ppo["model_state"]["reward_fn"]["param_bytes_per_rank"][1] is None
     reference = next(n for n in ppo["notes"] if n.startswith("reference:"))
     assert ("adapters disabled" in reference) if lora != "0" else ("hydra branch" in reference)
+    # trlx's yamls clip at 1.0 through DeepSpeed; its DDP path clips nothing (read back from the engine)
+    assert ppo["engine_knobs"] == {"grad_clip": {"actor": 0.0 if zero == "0" else 1.0}}
     if precision == "fp16":
         assert ppo["stability"]["loss_scale_trajectory"]["actor"], ppo["stability"]
 

@@ -109,7 +109,7 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
 
     @property
     def _inference_models(self) -> list[torch.nn.Module]:
-        return [self.models["ref"], self.models["reward"]]
+        return [self.models[role] for role in ("ref", "reward") if role not in self.quantized]
 
     def shuttle(self, direction: str) -> dict[str, int]:
         target = self.ctx.device if direction == "onload" else torch.device("cpu")
@@ -168,6 +168,9 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {role: model_state(model.parameters(), _inner_optimizer(self.optimizers.get(role)))
                 for role, model in self.models.items()}
 
+    def engine_knobs(self) -> dict[str, dict[str, float]]:
+        return {"grad_clip": {role: _clip_of(optimizer) for role, optimizer in self.optimizers.items()}}
+
     def notes(self) -> list[str]:
         return list(self._notes)
 
@@ -175,7 +178,8 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         """The reward model's backbone (NaiveExperienceMaker calls the reward model after the logits)."""
         if "ref" not in self.models:
             return {}
-        return {"reward_call": self.models["reward"].unwrap().model}
+        reward = self.models["reward"]
+        return {"reward_call": (reward if "reward" in self.quantized else reward.unwrap()).model}
 
     def computation_dtypes(self) -> dict[str, str]:
         return dict(self._dtypes)
@@ -193,3 +197,14 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     while hasattr(optimizer, "optim"):  # colossalai's OptimizerWrapper chain
         optimizer = optimizer.optim
     return optimizer
+
+
+def _clip_of(optimizer: Any) -> float:
+    """The clipping threshold a boosted optimizer applies: LowLevelZero's `_clip_grad_norm`, the hybrid
+    plugin's `max_norm`, down its wrappers; 0 where none clips (TorchDDPPlugin's plain optimizer)."""
+    while optimizer is not None:
+        for name in ("_clip_grad_norm", "max_norm"):
+            if isinstance(getattr(optimizer, name, None), (int, float)):
+                return float(getattr(optimizer, name))
+        optimizer = getattr(optimizer, "optim", None)
+    return 0.0

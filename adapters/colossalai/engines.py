@@ -26,7 +26,7 @@ class Engines:
         kwargs = dict(self.plugin.kwargs)
         if self.plugin.cls != "TorchDDPPlugin":
             kwargs.update(precision=self.spec.precision, initial_scale=self.options.initial_scale,
-                          max_norm=self.options.grad_clip)
+                          max_norm=self.spec.grad_clip_or(self.options.grad_clip))
         if self.plugin.cls in ("LowLevelZeroPlugin", "HybridParallelPlugin") and self.ctx.device.type == "cpu":
             # Overlapping ZeRO's reduction records CUDA streams on its buffers; CPU tensors reject that.
             kwargs["overlap_communication"] = False
@@ -85,6 +85,18 @@ class Engines:
         else:
             model.eval()
 
+    def _quantized(self, role: str, model: torch.nn.Module) -> None:
+        """A frozen role in 8 or 4 bits (reference.quant, reward.quant): in the run's precision on the device,
+        quantized, never boosted (no plugin shards or casts bitsandbytes weights) nor shuttled (small is its
+        point)."""
+        from adapters.quantize import quantize_frozen_model
+
+        self._counts[role] = count_params(model)
+        self.quantized[role] = quantize_frozen_model(self.spec, role, model, self.ctx.device, model)
+        self.models[role] = model
+        self._notes.append(f"{role}: {self.quantized[role].mode} weights ({self.quantized[role].library}), not "
+                           "boosted: whole on every rank, never shuttled (a harness extension)")
+
     def _value_plugin(self, plugin: Any, value_model: torch.nn.Module) -> Any:
         """coati boosts value models under 3d with a second plugin whose policy is their backbone's, looked up
         on the model it has (train_rm.py `get_autopolicy(model.model)`, train_ppo.py
@@ -131,9 +143,15 @@ class Engines:
             critic.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._boost("actor", actor, self.spec.stage_lr("actor"), plugin)
         self._boost("critic", critic, self.spec.stage_lr("critic"), value_plugin)
-        self._boost("reward", self._value_model(RewardModel, init.get("rm")), None, value_plugin)
-        self._boost("ref", self._lm(init.get("sft")), None, plugin)
-        self.shuttles_models = self.options.ppo.offload_inference_models and self.plugin.cls != "GeminiPlugin"
+        reward, ref = self._value_model(RewardModel, init.get("rm")), self._lm(init.get("sft"))
+        for role, model, quant, role_plugin in (("reward", reward, self.spec.reward.quant, value_plugin),
+                                                ("ref", ref, self.spec.reference.quant, plugin)):
+            if quant == "none":
+                self._boost(role, model, None, role_plugin)
+            else:
+                self._quantized(role, model)
+        self.shuttles_models = (self.options.ppo.offload_inference_models and self.plugin.cls != "GeminiPlugin"
+                                and bool(self._inference_models))
         if not init.get("sft"):
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
         source = "the RM checkpoint" if critic_ckpt else "the SFT backbone with a fresh value head"

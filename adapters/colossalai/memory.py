@@ -22,7 +22,7 @@ from bench.plan.run_shape import (
     build_transient,
     forward_backward,
     forward_only,
-    frozen_state,
+    frozen_role,
     generation_cache,
     hf_loss_logits,
     role_state,
@@ -85,14 +85,14 @@ def predict(shape: RunShape) -> dict[str, Terms]:
 
     actor, actor_grads, _ = trained("actor", shape.lora)
     critic, critic_grads, _ = trained("critic", shape.lora)
-    frozen = total([frozen_state(role_params(shape, role, 0)[0], vb) for role in ("ref", "reward")])
+    frozen = total([frozen_role(shape, role, role_params(shape, role, 0)[0], vb) for role in ("ref", "reward")])
     resident = actor + critic + frozen
     seq = shape.seq
     # the reward model is built last, whole in fp32, while the others are boosted already
     reward_params = role_params(shape, "reward", 0)[0]
-    init = before_first_step(actor, role_params(shape, "actor", shape.lora)[1]) + before_first_step(
-        critic, role_params(shape, "critic", shape.lora)[1]) + frozen_state(role_params(shape, "ref", 0)[0], vb) \
-        + build_transient(shape, reward_params)
+    init = (before_first_step(actor, role_params(shape, "actor", shape.lora)[1])
+            + before_first_step(critic, role_params(shape, "critic", shape.lora)[1])
+            + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0], vb) + build_transient(shape, reward_params))
     # the critic's pass with the actor's gradients still alive (both step after it)
     update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq)
     actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4)

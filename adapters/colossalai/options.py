@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, quant_extensions
 
 OPTIMIZERS = ("hybrid_adam", "torch_adamw")
 PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
@@ -165,12 +165,16 @@ class ColossalOptions:
                           "reason": "train_ppo.py's --plugin choices are gemini, gemini_auto, zero2, zero2_cpu, 3d"})
         if options.optimizer == "torch_adamw":
             found.append({"knob": "framework.optimizer=torch_adamw", "reason": "ColossalChat always builds HybridAdam"})
-        return found + checkpoint_extensions(spec, "ColossalChat", upstream_saves=True)
+        return (found + checkpoint_extensions(spec, "ColossalChat", upstream_saves=True)
+                + quant_extensions(spec, "ColossalChat"))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> ColossalOptions:
         options = cls.from_dict(spec.framework_options)
         plugin = options.resolve_plugin(spec)
+        if plugin.cls == "TorchDDPPlugin" and spec.grad_clip:
+            raise UnsupportedError(f"grad_clip={spec.grad_clip} with plugin={plugin.name}: TorchDDPPlugin takes no "
+                                   "max_norm and ColossalChat's ddp path clips nothing (use a ZeRO plugin)")
         if plugin.cls == "TorchDDPPlugin" and spec.precision != "fp32":
             raise UnsupportedError(
                 f"plugin={plugin.name} (TorchDDPPlugin) has no precision control and colossalai 0.5.0's Booster bf16 "

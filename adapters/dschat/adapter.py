@@ -85,6 +85,12 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         torch.distributed.barrier()
         return path
 
+    def engine_knobs(self) -> dict[str, dict[str, float]]:
+        # the trained engines: actor and critic in step 3, the one engine of steps 1 and 2 (the eval engines keep
+        # a clipping setting too, and DS-Chat leaves their parameters requiring gradients)
+        roles = ("actor", "critic") if "critic" in self.engines else tuple(self.engines)
+        return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles}}
+
     def _trained(self) -> dict[str, Any]:
         return {role: engine for role, engine in self.engines.items() if engine.optimizer is not None}
 

@@ -41,7 +41,7 @@ def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap
         **_batch(spec, world_size),
         "steps_per_print": 10**9,
         "zero_optimization": zero,
-        "gradient_clipping": options.gradient_clipping,
+        "gradient_clipping": spec.grad_clip_or(options.gradient_clipping),
         "prescale_gradients": False,
         "wall_clock_breakdown": False,
         **_precision(spec, options),

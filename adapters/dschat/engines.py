@@ -21,6 +21,31 @@ from adapters.dschat.reward_model import RewardModel
 from bench.run.models import build_backbone, build_causal_lm, set_dropout
 
 _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
+_UNSHARDED = {"zero_optimization": {"stage": 0}}  # what _zero3 and _load read: build a model whole
+
+
+class QuantizedEngine:
+    """Where DS-Chat holds an eval engine, a quantized frozen role: its module, and what the adapter reads of an
+    engine (no optimizer; forward, forward_value, eval/train pass through)."""
+
+    optimizer = None
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def forward_value(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module.forward_value(*args, **kwargs)
+
+    def eval(self) -> QuantizedEngine:
+        self.module.eval()
+        return self
+
+    def train(self, mode: bool = True) -> QuantizedEngine:
+        self.module.train(mode)
+        return self
 
 
 class Engines:
@@ -126,6 +151,17 @@ class Engines:
         engine.eval()
         return engine
 
+    def _quantized(self, role: str, model: torch.nn.Module) -> QuantizedEngine:
+        """A frozen role in 8 or 4 bits (reference.quant, reward.quant): built whole, in the run's precision on
+        the device, quantized, and kept outside DeepSpeed (its engines take no bitsandbytes weights)."""
+        from adapters.quantize import quantize_frozen_model
+
+        self.quantized[role] = quantize_frozen_model(self.spec, role, model, self.ctx.device, lambda ids, mask: (
+            model.forward_value(ids, mask)["chosen_end_scores"]))
+        self._notes.append(f"{role}: {self.quantized[role].mode} weights ({self.quantized[role].library}), outside "
+                           "DeepSpeed, whole on every rank (a harness extension)")
+        return QuantizedEngine(model)
+
     def setup(self, stage: str, init: dict[str, str]) -> None:
         if stage == "sft":
             config = self._train_config()
@@ -169,7 +205,10 @@ class Engines:
             self._notes.append(f"hybrid engine: {containers} inference containers, {kernels}{where}")
 
         eval_config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size)
-        self.engines["ref"] = self._eval_engine(self._build_lm(eval_config, init.get("sft")))
+        if self.spec.reference.quant != "none":
+            self.engines["ref"] = self._quantized("ref", self._build_lm(_UNSHARDED, init.get("sft")))
+        else:
+            self.engines["ref"] = self._eval_engine(self._build_lm(eval_config, init.get("sft")))
 
         critic_config = self._train_config()
         critic = self._build_reward_model(critic_config, init.get("rm"), self.options.critic_dropout)
@@ -178,8 +217,12 @@ class Engines:
         self.engines["critic"] = self._train_engine(
             critic, self.spec.stage_lr("critic"), critic_config, self.spec.grad_ckpt
         )
-        reward = self._build_reward_model(eval_config, init.get("rm"), self.options.critic_dropout)
-        self.engines["reward"] = self._eval_engine(reward)
+        if self.spec.reward.quant != "none":
+            reward = self._build_reward_model(_UNSHARDED, init.get("rm"), self.options.critic_dropout)
+            self.engines["reward"] = self._quantized("reward", reward)
+        else:
+            reward = self._build_reward_model(eval_config, init.get("rm"), self.options.critic_dropout)
+            self.engines["reward"] = self._eval_engine(reward)
         if not init.get("sft"):
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
         self._notes.append(f"dropout: actor {self.options.actor_dropout}, critic "

@@ -11,13 +11,13 @@ wrapped weights freeze, biases and unconverted parameters train.
 from __future__ import annotations
 
 from adapters.deepspeed_memory import eager_gradient_bytes, engine_build, gradient_terms, resident_buffers
-from bench.plan.physics import Terms, peak, total
+from bench.plan.physics import Terms, peak
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
     forward_backward,
     forward_only,
-    frozen_state,
+    frozen_role,
     generation_cache,
     hf_loss_logits,
     role_state,
@@ -73,20 +73,24 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     actor, actor_grads, actor_during, actor_after = trained("actor", shape.lora)
     critic, critic_grads, critic_during, critic_after = trained("critic", shape.options.get("critic_lora_dim", 0))
     frozen_params = {role: role_params(shape, role, 0)[0] for role in ("ref", "reward")}
-    frozen = total([frozen_state(p, vb, shard) for p in frozen_params.values()])
-    resident = actor + critic + frozen
+    frozen_after = {role: frozen_role(shape, role, p, vb, shard) for role, p in frozen_params.items()}
+    resident = actor + critic + frozen_after["ref"] + frozen_after["reward"]
     eager = Terms(grads=eager_gradient_bytes(role_params(shape, "actor", shape.lora)[1], shape.precision, zero)
                   + eager_gradient_bytes(role_params(shape, "critic", 0)[1], shape.precision, zero))
-    ref_after = frozen_state(frozen_params["ref"], vb, shard)
     # engines are built one after another (actor, reference, critic, reward): each one's build on top of
-    # what the ones before it keep; outside zero.Init a frozen model is also built whole in fp32 first
-    whole = zero < 3
+    # what the ones before it keep; outside zero.Init (ZeRO < 3, or a quantized role) a frozen model is also
+    # built whole in fp32 first
+    quant = dict(shape.quant)
+
+    def build(role: str) -> Terms:
+        whole = zero < 3 or quant.get(role, "none") != "none"
+        return build_transient(shape, frozen_params[role]) if whole else frozen_after[role]
+
     init = peak(
         actor_during,
-        actor_after + (build_transient(shape, frozen_params["ref"]) if whole else ref_after),
-        actor_after + ref_after + critic_during,
-        actor_after + ref_after + critic_after + (build_transient(shape, frozen_params["reward"]) if whole
-                                                  else frozen_state(frozen_params["reward"], vb, shard)))
+        actor_after + build("ref"),
+        actor_after + frozen_after["ref"] + critic_during,
+        actor_after + frozen_after["ref"] + critic_after + build("reward"))
     seq = shape.seq
     critic_dropout = shape.options.get("critic_dropout")
     critic_dropout = True if critic_dropout is None else critic_dropout > 0

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, require_data_parallel_only
+from bench.run.spec import (
+    RunSpec,
+    SpecError,
+    UnsupportedError,
+    checkpoint_extensions,
+    quant_extensions,
+    require_data_parallel_only,
+)
 
 OPTIMIZERS = ("fused_adam", "torch_adamw")
 
@@ -87,7 +94,8 @@ class DSChatOptions:
         if options.optimizer == "torch_adamw":
             found.append({"knob": "framework.optimizer=torch_adamw",
                           "reason": "DS-Chat always builds FusedAdam (DeepSpeedCPUAdam with --offload)"})
-        return found + checkpoint_extensions(spec, "DS-Chat", upstream_saves=False)
+        return (found + checkpoint_extensions(spec, "DS-Chat", upstream_saves=False)
+                + quant_extensions(spec, "DS-Chat"))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> DSChatOptions:

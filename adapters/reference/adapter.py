@@ -75,6 +75,10 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
                                                                 self.optimizers.get(role)))
                 for role, module in self.modules.items()}
 
+    def engine_knobs(self) -> dict[str, dict[str, float]]:
+        clip = float(self.spec.grad_clip_or(self.options.grad_clip))  # what update.py's clip_grad_norm_ gets
+        return {"grad_clip": {role: clip for role in self.optimizers}}
+
     def notes(self) -> list[str]:
         return list(self._notes)
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from adapters.reference.models import ValueModel
-from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
+from adapters.reference.models import ValueModel, end_scores
+from adapters.rl_math import position_ids
+from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params, set_dropout
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]  # GPT-2's Conv1D projections (attention, its output, the MLP)
 
 
@@ -28,7 +28,7 @@ class Engines:
 
     @property
     def _dtype(self) -> torch.dtype:
-        return DTYPES[self.spec.precision]
+        return TORCH_DTYPES[self.spec.precision]
 
     @property
     def _fsdp(self) -> bool:
@@ -112,14 +112,30 @@ class Engines:
         model.train()
 
     def _freeze(self, role: str, model: torch.nn.Module) -> None:
-        """`role` only infers: no gradients, the run's precision, sharded at ZeRO-3."""
+        """`role` only infers: no gradients, the run's precision, sharded at ZeRO-3 -- or, in 8 or 4 bits
+        (reference.quant, reward.quant), replicated: FSDP2 shards no bitsandbytes weights."""
         self._counts[role] = count_params(model)
         model.requires_grad_(False)
         model.to(self.ctx.device, self._dtype)
-        if self.spec.zero == 3:
-            self._shard(model, reshard_after_forward=True)
         model.eval()
+        quant = (self.spec.reference if role == "ref" else self.spec.reward).quant
+        if quant != "none":
+            self._quantize(role, model)
+        elif self.spec.zero == 3:
+            self._shard(model, reshard_after_forward=True)
         self.models[role] = self.modules[role] = model
+
+    def _quantize(self, role: str, model: torch.nn.Module) -> None:
+        from adapters.quantize import quantize_reference, quantize_reward
+
+        if role == "ref":
+            self.quantized[role] = quantize_reference(self.spec, model, self.ctx.device, lambda ids, mask: model(
+                input_ids=ids, attention_mask=mask, position_ids=position_ids(mask), use_cache=False).logits)
+        else:
+            self.quantized[role] = quantize_reward(self.spec, model, self.ctx.device, lambda ids, mask: end_scores(
+                model(ids, mask, position_ids(mask)), mask))
+        self._notes.append(f"{role}: {self.quantized[role].mode} weights ({self.quantized[role].library}), "
+                           "replicated (a harness extension)")
 
     def setup(self, stage: str, init: dict[str, str]) -> None:
         if stage == "sft":
@@ -141,5 +157,6 @@ class Engines:
             self._freeze("reward", self._value_model(init.get("rm")))
             if not init.get("sft"):
                 self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
+        clip = self.spec.grad_clip_or(self.options.grad_clip) or "off"
         self._notes.append(f"layout: {self.layout_name}; torch AdamW (betas {tuple(self.options.betas)}, weight "
-                           f"decay {self.options.weight_decay}), gradient clipping {self.options.grad_clip or 'off'}")
+                           f"decay {self.options.weight_decay}), gradient clipping {clip}")

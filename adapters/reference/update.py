@@ -31,7 +31,8 @@ class Update:
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
         # the norm of whole gradients (DDP has all-reduced them; FSDP2's DTensors reduce it), clipped as asked
-        norm = _total_norm(torch.nn.utils.clip_grad_norm_(params, self.options.grad_clip or math.inf))
+        clip = self.spec.grad_clip_or(self.options.grad_clip) or math.inf
+        norm = _total_norm(torch.nn.utils.clip_grad_norm_(params, clip))
         skipped = False
         if scaler is None:
             optimizer.step()

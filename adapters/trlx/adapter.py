@@ -40,6 +40,8 @@ RESUME_DEFECT_WHERE = ("trlx accelerate_base_trainer.py save()/load() = accelera
                        "for checkpointing")
 
 
+UPSTREAM_CLIP = 1.0  # trlx's configs/accelerate/zero*.yaml: gradient_clipping 1.0 (its trainers call no clip)
+
 class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
     phase_roles = {
         "sft": {"training": ("actor",)},
@@ -61,7 +63,8 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         plugin = None
         if spec.zero > 0:
             # zero3_init_flag stays off (trlx's zero3.yaml sets it): see the README's trlx fidelity table.
-            plugin = DeepSpeedPlugin(zero_stage=spec.zero, gradient_accumulation_steps=1, gradient_clipping=1.0,
+            plugin = DeepSpeedPlugin(zero_stage=spec.zero, gradient_accumulation_steps=1,
+                                     gradient_clipping=spec.grad_clip_or(UPSTREAM_CLIP),
                                      zero3_init_flag=False, zero3_save_16bit_model=spec.zero == 3)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = spec.batch
             if spec.precision == "fp16":  # trlx PR #279: DeepSpeed's fp16 autocast broke its forward
@@ -169,6 +172,13 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
             states["reward_fn"] = model_state(self.reward_model.parameters(), None)
             states["reward_fn"].device = str(self.reward_device)
         return states
+
+    def engine_knobs(self) -> dict[str, dict[str, float]]:
+        """DeepSpeed's own clipping, read from the engine; under DDP the update's own clip (0: none, as trlx)."""
+        if self.model is None:
+            return {}
+        clip = float(self.model.gradient_clipping()) if self.deepspeed else float(self.spec.grad_clip or 0.0)
+        return {"grad_clip": {self.role: clip}}
 
     def notes(self) -> list[str]:
         return list(self._notes)

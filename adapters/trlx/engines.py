@@ -15,9 +15,7 @@ import torch
 from adapters.state_bytes import tensor_bytes
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
 from bench.measure.params import ParamCounts
-from bench.run.models import build_backbone, build_causal_lm, count_params
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params
 
 
 class Engines:
@@ -115,10 +113,20 @@ class Engines:
             self._counts["reward"] = count_params(self._reward_model(None))
         self._notes.append(self._reference_note(mode, policy))
         self._prepare("actor", policy, self.spec.stage_lr("actor"))
+        if self.spec.reference.quant != "none":
+            self._quantize_reference(mode)
         if self.ctx.rank == 0:  # trlx's reward_fn runs on the main process only
-            dtype = DTYPES[self.spec.precision]
+            dtype = TORCH_DTYPES[self.spec.precision]
             self.reward_model = self._reward_model(init.get("rm")).to(self.reward_device, dtype).eval()
             self.reward_model.requires_grad_(False)
+            if self.spec.reward.quant != "none":
+                from adapters.quantize import quantize_reward
+
+                reward = self.reward_model
+                self.quantized["reward"] = quantize_reward(self.spec, reward, self.reward_device,
+                                                           lambda ids, mask: reward.end_scores(ids, mask))
+                self._notes.append(f"reward: {self.quantized['reward'].mode} weights "
+                                   f"({self.quantized['reward'].library}; a harness extension)")
         self._notes.append(
             f"reward: the RM-stage model as trlx's reward_fn, on rank 0 only ({self.spec.precision}, on "
             f"{self.options.reward_device or 'the training device'}, micro-batches of "
@@ -128,6 +136,21 @@ class Engines:
                            "one optimizer")
         if not init.get("sft"):
             self._notes.append("policy and reference start from random base weights (no SFT checkpoint)")
+
+    def _quantize_reference(self, mode: str) -> None:
+        """reference.quant: the hydra branch (its blocks and untied LM head, after accelerate prepared the policy:
+        the engine casts and wraps fp16/bf16 weights, and leaves frozen ones alone from then on) or the whole
+        frozen copy. The peft reference is the policy itself (refused in the adapter)."""
+        from adapters.quantize import quantize_reference
+
+        if mode == "full":
+            ref = self.ref_model
+            target, logits = ref, lambda ids, mask: ref(input_ids=ids, attention_mask=mask).logits
+        else:
+            target, logits = self._unwrapped.frozen_head, lambda ids, mask: self.model(ids, mask, reference=True)
+        self.quantized["ref"] = quantize_reference(self.spec, target, self.ctx.device, logits)
+        self._notes.append(f"ref: the {'hydra branch' if mode == 'hydra' else 'frozen copy'} in "
+                           f"{self.quantized['ref'].mode} ({self.quantized['ref'].library}; a harness extension)")
 
     def _reference_note(self, mode: str, policy: PolicyWithValueHead) -> str:
         if mode == "hydra":

@@ -22,9 +22,10 @@ from bench.plan.run_shape import (
     build_transient,
     forward_backward,
     forward_only,
-    frozen_state,
+    frozen_role,
     generation_cache,
     hf_loss_logits,
+    quantized_weight_bytes,
     role_state,
 )
 
@@ -76,6 +77,16 @@ def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Te
     return state, gradient_terms(trainable, vb, zero, dp, shape.precision)
 
 
+def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
+    """What reference.quant changes in the policy's state: the hydra branch's linear weights (its blocks'
+    12h^2 and the untied LM head's V x h) in 8 or 4 bits instead of `weight_bytes` each."""
+    h, vocab = shape.arch.hidden, shape.arch.vocab
+    top = _unfrozen(shape, "num_layers_unfrozen", 2)
+    weights, rows = top * 12 * h * h + vocab * h, top * 9 * h + vocab
+    mode = dict(shape.quant)["ref"]
+    return Terms(params=quantized_weight_bytes(weights, rows, mode) - weights * weight_bytes)
+
+
 def predict(shape: RunShape) -> dict[str, Terms]:
     vb = shape.value_bytes
     fp32_logits = 4 / vb  # one fp32 [B, T, V] tensor in units of the compute dtype
@@ -102,7 +113,9 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         return {"init": init, "training": state + grads + work,
                 "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
     rm_params = shape.arch.total_params + shape.arch.hidden
-    reward_fn = frozen_state(rm_params, vb)  # rank 0
+    reward_fn = frozen_role(shape, "reward", rm_params, vb)  # rank 0
+    if dict(shape.quant).get("ref", "none") != "none":
+        state = state + _quantized_branch(shape, 4 if shape.zero == 0 else vb)
     resident = state + reward_fn
     # the reward function's model is built in fp32 and loads the RM checkpoint's fp32 state dict
     init = peak(init + reward_fn, state + build_transient(shape, rm_params) + Terms(other=4 * rm_params))

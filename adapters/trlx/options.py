@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, require_data_parallel_only
+from bench.run.spec import (
+    RunSpec,
+    SpecError,
+    UnsupportedError,
+    checkpoint_extensions,
+    quant_extensions,
+    require_data_parallel_only,
+)
 
 REFERENCES = ("auto", "hydra", "full", "peft")
 SCALE_REWARD = ("ignored", "running", "ref")
@@ -98,7 +105,11 @@ class TrlxOptions:
         found = []
         if spec.grad_ckpt:
             found.append({"knob": "grad_ckpt=true", "reason": "trlx's trainers have no gradient-checkpointing knob"})
-        return found + checkpoint_extensions(spec, "trlx", upstream_saves=True)
+        if spec.grad_clip and spec.zero == 0:
+            found.append({"knob": f"grad_clip={spec.grad_clip} at zero=0", "reason": "trlx clips only through "
+                          "DeepSpeed's gradient_clipping; its DDP path calls no clip (the harness clips there)"})
+        return (found + checkpoint_extensions(spec, "trlx", upstream_saves=True)
+                + quant_extensions(spec, "trlx"))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:
@@ -116,6 +127,14 @@ class TrlxOptions:
             raise SpecError(f"framework.num_layers_unfrozen={options.num_layers_unfrozen} must be between 1 and "
                             f"{spec.model.layers - 1} for the hydra reference (model.layers={spec.model.layers}); "
                             "-1 trains every layer against a full reference copy")
+        if spec.reference.quant != "none" and mode == "peft":
+            raise UnsupportedError(f"reference.quant={spec.reference.quant}: with LoRA trlx's reference is the policy "
+                                   "with its adapters disabled, no weights of its own to quantize (quantize the "
+                                   "reward, or set lora=0)")
+        if spec.reference.quant != "none" and mode == "hydra" and spec.zero == 3:
+            raise UnsupportedError(f"reference.quant={spec.reference.quant} at zero=3: the hydra branch lives in the "
+                                   "policy DeepSpeed partitions, and ZeRO-3 cannot partition bitsandbytes weights "
+                                   "(use zero <= 2)")
         if spec.offload:
             raise UnsupportedError("offload with trlx is not wired in this harness yet (accelerate's "
                                    "offload_optimizer_device needs DeepSpeed's CPU Adam instead of trlx's AdamW)")

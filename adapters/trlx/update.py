@@ -35,6 +35,8 @@ class Update:
             scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else 1.0
             norm = global_grad_norm(self.model.parameters())
             norm = norm / scale if norm is not None else None
+            if self.spec.grad_clip:  # upstream's DDP path clips nothing; grad_clip asks for it (a harness extension)
+                accelerator.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
         if engine is not None:

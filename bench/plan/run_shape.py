@@ -41,6 +41,7 @@ class RunShape:
     offload: bool
     options: dict[str, Any]
     dropout: float = 0.0  # the model's dropout; each framework says which roles train with it
+    quant: tuple[tuple[str, str], ...] = ()  # (frozen role, none | int8 | nf4): reference.quant, reward.quant
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
 
     @classmethod
@@ -52,7 +53,7 @@ class RunShape:
                    batch=spec.batch, prompt_len=spec.prompt_len, answer_len=spec.answer_len,
                    data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
-                   device=device)
+                   device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)))
 
     @property
     def value_bytes(self) -> int:
@@ -81,6 +82,24 @@ def role_state(params: float, trainable: float, weight_bytes: int, zero: int, dp
 
 def frozen_state(params: float, weight_bytes: int, shard: int = 1) -> Terms:
     return Terms(params=params * weight_bytes / shard)
+
+
+def quantized_weight_bytes(weights: float, rows: float, mode: str) -> float:
+    """Linear weights as bitsandbytes stores them (adapters/quantize.py): int8, one fp32 scale per output row;
+    NF4, two values a byte, a uint8 absmax per block of 64 and an fp32 one per 256 such blocks."""
+    return weights + 4 * rows if mode == "int8" else weights / 2 + weights / 64 + 4 * weights / (64 * 256)
+
+
+def frozen_role(shape: RunShape, role: str, params: float, weight_bytes: int, shard: int = 1) -> Terms:
+    """A frozen whole-model role (reference or reward): in `weight_bytes` per value, sharded `shard` ways -- or,
+    quantized (shape.quant), its blocks' linear weights (12h^2 a block, 9h output rows) in 8 or 4 bits and the
+    rest (embeddings, norms, biases, heads) as before, whole on every rank."""
+    mode = dict(shape.quant).get(role, "none")
+    if mode == "none":
+        return frozen_state(params, weight_bytes, shard)
+    h, layers = shape.arch.hidden, shape.arch.layers
+    weights = layers * 12 * h * h
+    return Terms(params=(params - weights) * weight_bytes + quantized_weight_bytes(weights, layers * 9 * h, mode))
 
 
 def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0, dropout: bool = False,

@@ -17,7 +17,8 @@ from bench.results.collect import CONFIG_COLUMNS
 CELL_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c != "seed")
 # Cell keys never shown as "other config": the main columns show them, or they follow from one that is.
 IMPLIED_KEYS = ("stage_row", "stage.name", "stage.stages", "framework.name", "model.name", "precision", "zero",
-                "lora", "batch", "launcher.nproc", "tp", "pp", "plugin", "offload", "grad_ckpt")
+                "lora", "batch", "launcher.nproc", "tp", "pp", "plugin", "offload", "grad_ckpt", "reference.quant",
+                "reward.quant")
 
 
 @dataclass

@@ -260,6 +260,60 @@ def optimizer_vs_weights(rows: Rows, records: Records, cells: Cells) -> tuple[st
         "weights; an engine that trains 16-bit weights adds an fp32 master copy: 6x; autocast keeps fp32 weights: 2x)"
 
 
+CURVE_STEPS = 100  # B10's accuracy half reads reward and KL curves at least this long (issue: >= 100 steps)
+
+
+def int8_frozen_roles(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    """B10, from PPO cells that differ only in reference.quant / reward.quant (quantized against none). Memory:
+    in every matched set on a GLM-ladder model (not the tiny test model), the quantized cell's experience-phase
+    growth below the unquantized one's beyond the repeats' spread. Accuracy: in every matched set of at least
+    CURVE_STEPS steps, the final reward and KL (mean of the last steps) of the two cells overlapping over their
+    repeats. Supported when both hold, contradicted when neither does; the probe batch's deviations are stated."""
+    memory, accuracy, parts = [], [], []
+    for matched in matched_sets(rows, cells, "quant", "ppo"):
+        if "none" not in matched.by_value:
+            continue
+        growth, reward, kl = (matched.stats(c) for c in ("growth_experience_bytes", "reward_end", "kl_end"))
+        for value in [v for v in matched.by_value if v != "none"]:
+            runs = matched.by_value[value]
+            text = [describe(matched, "growth_experience_bytes", MIB, " MiB", 0) + " experience growth"]
+            if runs[0]["model"] != "tiny":
+                apart = not tied(growth["none"], growth[value])
+                memory.append(apart and growth[value].median < growth["none"].median)
+                text.append("within the spread" if not apart
+                            else "lower" if growth[value].median < growth["none"].median else "higher")
+            steps = min(r.get("timed_steps") or 0 for rows_ in matched.by_value.values() for r in rows_)
+            if steps >= CURVE_STEPS:
+                same = tied(reward["none"], reward[value]) and tied(kl["none"], kl[value])
+                accuracy.append(same)
+                text.append(f"final reward {reward['none'].fmt(1.0, 3)} vs {reward[value].fmt(1.0, 3)}, KL "
+                            f"{kl['none'].fmt(1.0, 4)} vs {kl[value].fmt(1.0, 4)} over {steps}+ timed steps ("
+                            + ("within the spread" if same else "apart") + ")")
+            deviations = "; ".join(
+                f"{role} {_median(runs, f'{role}_quant_deviation'):.3g} (mean |value| "
+                f"{_median(runs, f'{role}_quant_scale'):.3g}), {_median(runs, f'{role}_quant_saved_bytes') / MIB:,.1f}"
+                f" MiB of weights saved" for role in ("ref", "reward")
+                if _median(runs, f"{role}_quant_deviation") is not None)
+            text.append(f"deviation on the probe batch: {deviations or 'not recorded'}")
+            parts.append(", ".join(text))
+    if not memory and not accuracy:
+        return NOT_MEASURED, ("needs ok PPO runs with reference.quant and reward.quant int8 and none at one "
+                              "configuration: on a GLM-ladder model for the memory, over at least "
+                              f"{CURVE_STEPS} steps for the accuracy (scripts/claims_sweep.sh, blocks Q and K)")
+    halves = [f"memory {'lower in every set' if all(memory) else 'not lower in every set'}" if memory
+              else "memory not measured on a GLM-ladder model",
+              f"reward and KL {'within the spread in every set' if all(accuracy) else 'apart in some set'}"
+              if accuracy else f"accuracy not measured over {CURVE_STEPS}+ steps"]
+    verdict = (SUPPORTED if memory and accuracy and all(memory) and all(accuracy)
+               else CONTRADICTED if memory and accuracy and not any(memory) and not any(accuracy)
+               else PARTLY if any(memory) or any(accuracy) else CONTRADICTED)
+    return verdict, f"{'; '.join(halves)}. " + "; ".join(parts) + _scale_note(rows)
+
+
+def _median(runs: Rows, column: str) -> float | None:
+    return stat([r.get(column) for r in runs]).median
+
+
 def _unmeasurable(reason: str) -> Callable[[Rows, Records, Cells], tuple[str, str]]:
     return lambda rows, records, cells: (NOT_MEASURABLE, reason)
 
@@ -377,8 +431,7 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]]
     ("B8", "large swings in step time between phases signal a bad TP/PP split", _unmeasurable(GPU_ONLY)),
     ("B9", "OOM after ~1,000 steps comes from unreleased caches or fragmentation",
      _unmeasurable("needs runs of ~1,000 steps on a GPU allocator")),
-    ("B10", "INT8 inference for reward and reference cuts memory without hurting accuracy",
-     _unmeasurable("the harness has no INT8 path")),
+    ("B10", "INT8 inference for reward and reference cuts memory without hurting accuracy", int8_frozen_roles),
     ("B11", "save checkpoints asynchronously about every 500 steps", _unmeasurable("advice, not a measured quantity")),
     ("B12", "keep the reference frozen; tune the KL coefficient if the actor degenerates",
      _unmeasurable("advice, not a measured quantity")),

@@ -20,7 +20,8 @@ from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETU
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
-                  "plugin", "offload", "grad_ckpt", "reference", "upstream_fix", "harness_extension", "seed")
+                  "plugin", "offload", "grad_ckpt", "quant", "reference", "upstream_fix", "harness_extension",
+                  "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
                     "preflight")
@@ -29,7 +30,8 @@ BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "w
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the
 # key's null default means 4 outside soak runs, so new runs do not pool with them.)
 ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1, "debug.leak_mib_per_step": 0,
-              "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False}
+              "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False,
+              "reference.quant": "none", "reward.quant": "none", "grad_clip": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -107,6 +109,7 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "plugin": config.get("plugin", "auto"),
         "offload": config.get("offload"),
         "grad_ckpt": config.get("grad_ckpt"),
+        "quant": _quant(config),
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
         # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
         "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,
@@ -150,6 +153,13 @@ def update_passes(config: dict[str, Any]) -> int:
     num_update_steps (1 where the framework names neither)."""
     ppo = config.get("framework", {}).get("ppo") or {}
     return int(ppo.get("ppo_epochs") or ppo.get("num_update_steps") or 1)
+
+
+def _quant(config: dict[str, Any]) -> str:
+    """The frozen roles' weights: "none", or e.g. "ref int8, reward int8"."""
+    modes = {role: (config.get(key) or {}).get("quant", "none") for role, key in (("ref", "reference"),
+                                                                                   ("reward", "reward"))}
+    return ", ".join(f"{role} {mode}" for role, mode in modes.items() if mode != "none") or "none"
 
 
 def _trlx_reference(config: dict[str, Any]) -> str:
@@ -226,11 +236,19 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["loss_scale_min"] = _number(stability.get("loss_scale_min"))
     learning = result.get("learning") or {}
     for key in ("reward_start", "reward_end", "accuracy_start", "accuracy_end", "generated_tokens_start",
-                "generated_tokens_end"):
+                "generated_tokens_end", "kl_start", "kl_end"):
         row[key] = _number(learning.get(key))
     losses = learning.get("loss_curve") or []
     row["loss_start"], row["loss_end"] = (_number(losses[0]), _number(losses[-1])) if losses else (None, None)
     row["model_state_bytes_rank0"] = _model_state_rank0(result.get("model_state") or {})
+    state = result.get("model_state") or {}
+    frozen = [(state.get(role) or {}).get("param_bytes_per_rank") or [None] for role in ("ref", "reward")]
+    row["frozen_param_bytes_rank0"] = (sum(b[0] for b in frozen) if stage == "ppo" and all(b[0] is not None
+                                                                                         for b in frozen) else None)
+    for role, entry in (result.get("quantized") or {}).items():
+        row[f"{role}_quant_deviation"] = entry.get("mean_abs_deviation")
+        row[f"{role}_quant_scale"] = entry.get("mean_abs_value")
+        row[f"{role}_quant_saved_bytes"] = entry["weight_bytes_before"] - entry["weight_bytes_after"]
     # the RM's evaluation and checkpoint saves run outside the steps; every other timed phase is part of one
     step_phases = [row[k] for k in row if k.startswith("time_s_per_step_")
                    and k.removeprefix("time_s_per_step_") not in OUTSIDE_STEP and row[k] is not None]

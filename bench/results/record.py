@@ -81,6 +81,8 @@ class StageRecord:
     upstream_defects: list[dict[str, str]] = field(default_factory=list)
     layout_per_rank: list[dict[str, int]] = field(default_factory=list)
     computation_dtypes: dict[str, str] = field(default_factory=dict)
+    quantized: dict[str, Any] = field(default_factory=dict)  # frozen roles in 8/4 bits (reference.quant, reward.quant)
+    engine_knobs: dict[str, Any] = field(default_factory=dict)  # common knobs read back from the built engines
     live_tensors: dict[str, Any] = field(default_factory=dict)
     cut_short: dict[str, Any] | None = None
     checkpoint: str | None = None
@@ -392,6 +394,8 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
             reward_window_steps=window,
             reward_start=_mean(rewards[:window]),
             reward_end=_mean(rewards[-window:]),
+            kl_start=_mean([s.get("kl") for s in steps[:window]]),
+            kl_end=_mean([s.get("kl") for s in steps[-window:]]),
             preferred_fraction_start=_mean([s.get("preferred_fraction") for s in steps[:window]]),
             preferred_fraction_end=_mean([s.get("preferred_fraction") for s in steps[-window:]]),
             generated_tokens_start=_mean([s.get("generated_tokens") for s in steps[:window]]),
@@ -508,6 +512,10 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.upstream_defects = ranks[0].get("upstream_defects", [])
     record.layout_per_rank = [r.get("layout", {}) for r in ranks]
     record.computation_dtypes = ranks[0].get("computation_dtypes", {})
+    record.engine_knobs = ranks[0].get("engine_knobs", {})
+    for r in ranks:  # a role held on some ranks only (trlx's reward function: rank 0) is reported by those
+        for role, entry in (r.get("quantized") or {}).items():
+            record.quantized.setdefault(role, entry)
     record.live_tensors = _live_tensors(ranks)
     cut = [dict(r["cut_short"], rank=r["rank"]) for r in ranks if r.get("cut_short")]
     if cut:

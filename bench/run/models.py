@@ -17,6 +17,8 @@ from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHead
 from bench.measure.params import ParamCounts
 from bench.run.spec import ModelSpec
 
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision -> dtype
+
 
 def gpt2_config(model: ModelSpec) -> GPT2Config:
     return GPT2Config(

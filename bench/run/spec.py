@@ -63,6 +63,14 @@ def checkpoint_extensions(spec: RunSpec, framework: str, upstream_saves: bool) -
     return found
 
 
+def quant_extensions(spec: RunSpec, framework: str) -> list[dict[str, str]]:
+    """reference.quant / reward.quant: no framework quantizes its frozen roles (adapters/quantize.py)."""
+    return [{"knob": f"{role}.quant={getattr(spec, role).quant}",
+             "reason": f"{framework} keeps its frozen {role} model in the run's precision; the harness stores its "
+                       "linear weights in 8 or 4 bits with bitsandbytes"}
+            for role in ("reference", "reward") if getattr(spec, role).quant != "none"]
+
+
 def _choice(name: str, value: Any, allowed: tuple) -> Any:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
@@ -200,6 +208,17 @@ class CheckpointSpec:
         _bool("checkpoint.async", self.background)
 
 
+QUANT_MODES = ("none", "int8", "nf4")
+
+
+@dataclass(frozen=True)
+class FrozenRoleSpec:
+    """Knobs of a frozen PPO role (config groups `reference` and `reward`): `quant` stores its linear weights in
+    8 or 4 bits (bitsandbytes, adapters/quantize.py), a harness extension in every framework."""
+
+    quant: str = "none"
+
+
 @dataclass(frozen=True)
 class InitSpec:
     sft: str | None = None
@@ -230,6 +249,7 @@ class RunSpec:
     lr: float | None = None
     seed: int = 1234
     grad_ckpt: bool = False
+    grad_clip: float | None = None  # max global gradient L2 norm of every trained model; None: the framework's
     offload: bool = False
     plugin: str = "auto"
     tp: int = 1
@@ -244,6 +264,8 @@ class RunSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     resume: bool = False
     init: InitSpec = field(default_factory=InitSpec)
+    reference: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
+    reward: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
 
@@ -258,6 +280,10 @@ class RunSpec:
         _int("warmup_steps", self.warmup_steps, 0)
         _int("seed", self.seed, 0)
         _bool("grad_ckpt", self.grad_ckpt)
+        if self.grad_clip is not None and (isinstance(self.grad_clip, bool) or not isinstance(self.grad_clip, (
+                int, float)) or self.grad_clip < 0):
+            raise SpecError(f"grad_clip={self.grad_clip!r} must be a number >= 0 (0 = no clipping) or null (the "
+                            "framework's upstream default)")
         _bool("offload", self.offload)
         _choice("wandb", self.wandb, WANDB_MODES)
         _choice("preflight", self.preflight, PREFLIGHT_MODES)
@@ -309,6 +335,12 @@ class RunSpec:
             raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
         if self.offload and self.zero == 0:
             raise UnsupportedError("offload=true needs zero >= 1: ZeRO-Offload moves ZeRO-partitioned state")
+        for role in ("reference", "reward"):
+            quant = getattr(self, role).quant
+            _choice(f"{role}.quant", quant, QUANT_MODES)
+            if quant != "none" and "ppo" not in self.stages:
+                raise SpecError(f"{role}.quant={quant} quantizes a frozen PPO role; stage={self.stage} runs no PPO "
+                                "(use stage=ppo or stage=pipeline, or leave it none)")
 
     @property
     def data_parallel(self) -> int:
@@ -326,6 +358,11 @@ class RunSpec:
         if self.memory_release_every is not None:
             return self.memory_release_every
         return 1 if self.soak else 4
+
+    def grad_clip_or(self, upstream: float) -> float:
+        """The clipping threshold a framework applies: `grad_clip` where set, else its upstream default
+        (0 = no clipping)."""
+        return upstream if self.grad_clip is None else float(self.grad_clip)
 
     def stage_lr(self, role: str) -> float:
         """Learning rate of a trained role (sft, rm, actor, critic); `lr` overrides the main one."""
@@ -347,6 +384,8 @@ class RunSpec:
         data["tags"] = tuple(data.get("tags") or ())
         data["debug"] = DebugSpec(**data.get("debug") or {})
         data["checkpoint"] = CheckpointSpec(**data.get("checkpoint") or {})
+        data["reference"] = FrozenRoleSpec(**data.get("reference") or {})
+        data["reward"] = FrozenRoleSpec(**data.get("reward") or {})
         return cls(**data)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -382,6 +421,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         lr=cfg.get("lr"),
         seed=cfg["seed"],
         grad_ckpt=cfg["grad_ckpt"],
+        grad_clip=cfg.get("grad_clip"),
         offload=cfg["offload"],
         plugin=cfg["plugin"],
         tp=cfg["tp"],
@@ -397,6 +437,8 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
                                   background=(cfg.get("checkpoint") or {}).get("async", False)),
         resume=cfg.get("resume", False),
         init=InitSpec(**dict(cfg.get("init") or {})),
+        reference=FrozenRoleSpec(**dict(cfg.get("reference") or {})),
+        reward=FrozenRoleSpec(**dict(cfg.get("reward") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),
     )

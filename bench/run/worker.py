@@ -129,6 +129,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result["notes"] = adapter.notes()
         result["upstream_defects"] = adapter.upstream_defects()
         result["computation_dtypes"] = adapter.computation_dtypes()
+        result["quantized"] = adapter.quantized_roles()
+        result["engine_knobs"] = adapter.engine_knobs()
         stability = result["stability"]
         if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
             result["status"] = "nan"
