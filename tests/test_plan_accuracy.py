@@ -12,7 +12,9 @@ CELL = ["model=glm-base", "prompt_len=128", "answer_len=128", "batch=2", "launch
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("framework, stage", [("dschat", "sft"), ("colossalai", "rm"), ("trlx", "sft")])
+# coati's RM cell (~1 min) runs in the slow tier: CI keeps its 25 minutes with the other two
+@pytest.mark.parametrize("framework, stage", [("dschat", "sft"), ("trlx", "sft"),
+                                              pytest.param("colossalai", "rm", marks=pytest.mark.slow)])
 def test_predicted_phase_growth_is_within_15_percent(run_bench, framework, stage):
     record = run_bench(f"framework={framework}", f"stage={stage}", *CELL)
     assert record["status"] == "ok", record["error"]
