@@ -144,6 +144,12 @@ class Adapter(ABC):
         self.spec = spec
         self.ctx = ctx
         self.quantized: dict[str, Any] = {}  # role -> adapters.quantize.QuantizedRole, filled by setup()
+        if spec.reference.quant != "none" or spec.reward.quant != "none":
+            # imported here, in the worker's `imports` phase: the library's own resident bytes (torchao's ~80
+            # MiB of modules and kernel libraries, bitsandbytes' ~40) are an import, not what quantizing saves or costs
+            from adapters.quantize import import_library
+
+            import_library(spec.quant_library)
 
     @abstractmethod
     def setup(self, stage: str, init: dict[str, str]) -> None:

@@ -1,13 +1,16 @@
 """Frozen PPO roles (reference, reward) with 8- or 4-bit weights: `reference.quant` / `reward.quant`.
 
 None of the three frameworks quantizes its frozen roles; this is a harness extension, the same in every adapter:
-bitsandbytes (maintained, and it runs on the CPU as on CUDA: its Linear8bitLt and Linear4bit forward on this
-machine's CPU backend) replaces each linear projection of the role -- transformers' Conv1D in the GPT-2 stand-in,
-or nn.Linear -- by `Linear8bitLt` (int8 weights, one fp32 scale per output row, LLM.int8's outlier threshold 6
-as transformers' `load_in_8bit` uses it) or `Linear4bit` (NF4, blocks of 64 with an fp32 absmax). Embeddings,
-the LM head tied to them and one-output score heads stay in the run's precision, as `load_in_8bit` leaves the
-output embeddings. What quantization costs is measured on a probe batch in `quantize_role`: the role's output
-(reference log-probabilities of the next token, reward scores) before and after, on the same tokens.
+each linear projection of the role -- transformers' Conv1D in the GPT-2 stand-in, or nn.Linear -- gets int8 or
+NF4 weights from a maintained library that runs on the CPU as on CUDA (`quant_library`):
+- torchao (the default): weight-only int8 (one fp32 scale a row; the forward casts the weight to the
+  activations' dtype for a plain matmul) or NF4 (blocks of 64, their absmax in int8 over scaler blocks of 256);
+  the quantized weights are torch tensor subclasses, so every byte they cost goes through torch's allocator;
+- bitsandbytes: `Linear8bitLt` (LLM.int8, outlier threshold 6 as transformers' `load_in_8bit`) or `Linear4bit`
+  (NF4, blocks of 64, compressed statistics); its CPU int8 path holds memory outside torch (README).
+Embeddings, the LM head tied to them and one-output score heads stay in the run's precision, as `load_in_8bit`
+leaves the output embeddings. What quantization costs is measured on a probe batch in `quantize_role`: the
+role's output (reference log-probabilities of the next token, reward scores) before and after, on the same tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 from bench.run.spec import RunSpec
 
 INT8_THRESHOLD = 6.0  # LLM.int8's outlier threshold, transformers' BitsAndBytesConfig default
+NF4_BLOCK = 64  # weights per NF4 absmax block, in both libraries (QLoRA's)
+NF4_SCALER_BLOCK = 256  # torchao's default: absmax values quantized together
 
 
 class _Once(logging.Filter):
@@ -68,8 +73,8 @@ def _linear_shape(module: torch.nn.Module) -> tuple[int, int, torch.Tensor] | No
     return None
 
 
-def _quantized_linear(mode: str, in_features: int, out_features: int, weight: torch.Tensor,
-                      bias: torch.Tensor | None, device: torch.device) -> torch.nn.Module:
+def _bitsandbytes_linear(mode: str, in_features: int, out_features: int, weight: torch.Tensor,
+                         bias: torch.Tensor | None, device: torch.device) -> torch.nn.Module:
     import bitsandbytes as bnb
 
     if mode == "int8":
@@ -85,15 +90,49 @@ def _quantized_linear(mode: str, in_features: int, out_features: int, weight: to
     return layer.to(device)  # bitsandbytes quantizes the weight as it moves to its device
 
 
+def nf4_scaler_block(blocks: int) -> int:
+    """torchao's NF4 quantizes the absmax of every 64-weight block in groups of 256 and needs the block count
+    divisible by that: the largest divisor of `blocks` up to 256 (256 on every GLM-ladder projection; smaller
+    only on the tiny model, whose 64 x 64 projections have 64 blocks)."""
+    return max(d for d in range(1, min(blocks, NF4_SCALER_BLOCK) + 1) if blocks % d == 0)
+
+
+def _torchao_linear(mode: str, in_features: int, out_features: int, weight: torch.Tensor,
+                    bias: torch.Tensor | None, device: torch.device) -> torch.nn.Module:
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    layer = torch.nn.Linear(in_features, out_features, bias=bias is not None, device=device, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias.detach())
+    layer.requires_grad_(False)
+    if mode == "int8":  # per-row scales; inductor's global settings are this process's business, not ours
+        quantize_(layer, Int8WeightOnlyConfig(set_inductor_config=False))
+    else:
+        blocks = weight.numel() // NF4_BLOCK
+        layer.weight = torch.nn.Parameter(to_nf4(layer.weight.detach(), NF4_BLOCK, nf4_scaler_block(blocks)),
+                                          requires_grad=False)
+    return layer
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
 def _packed_bytes(layer: torch.nn.Module) -> int:
-    """The quantized weight and its scales, bias excluded: int8, one fp32 scale a row (SCB); NF4 (with
-    bitsandbytes' default compressed statistics), a uint8 absmax a block of 64 and an fp32 one per 256 of those.
-    The per-layer code tables (about 1.4 KiB) are not counted."""
+    """The quantized weight and its scales, bias excluded. torchao int8: int8 weights and an fp32 scale a row;
+    torchao NF4: 4-bit codes, an int8 absmax a block of 64, one run-precision factor a scaler block; bitsandbytes
+    int8: int8 weights, an fp32 scale a row (SCB); bitsandbytes NF4 (default compressed statistics): a uint8
+    absmax a block of 64 and an fp32 one per 256 of those. Code tables (16 values to ~1.4 KiB a layer) are not
+    counted."""
     weight = layer.weight
+    if hasattr(weight, "qdata"):  # torchao Int8Tensor
+        return _nbytes(weight.qdata) + _nbytes(weight.scale)
+    if hasattr(weight, "quantized_scalers"):  # torchao NF4Tensor
+        return _nbytes(weight.quantized_data) + _nbytes(weight.quantized_scalers) + _nbytes(
+            weight.quantization_factor)
     if hasattr(weight, "SCB"):
         return _nbytes(weight) + _nbytes(weight.SCB)
     state = weight.quant_state
@@ -101,9 +140,15 @@ def _packed_bytes(layer: torch.nn.Module) -> int:
     return _nbytes(weight) + _nbytes(state.absmax) + nested
 
 
-def quantize_linears(model: torch.nn.Module, mode: str, device: torch.device) -> tuple[int, int, int]:
+QUANTIZED_LINEAR = {"torchao": _torchao_linear, "bitsandbytes": _bitsandbytes_linear}
+
+
+def quantize_linears(model: torch.nn.Module, mode: str, device: torch.device, library: str = "torchao"
+                     ) -> tuple[int, int, int]:
     """Replace the model's linear projections in place; returns (layers, bytes before, bytes after). The
-    output embedding (tied to the input one) and one-output score heads are left as they are."""
+    output embedding (the LM head, tied or not: transformers' load_in_8bit keeps lm_head too; weight-only int8
+    would also make a vocabulary-wide bf16 copy of it and of the logits at every forward) and one-output score
+    heads are left as they are."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = []
     for name, module in model.named_modules():
@@ -115,7 +160,7 @@ def quantize_linears(model: torch.nn.Module, mode: str, device: torch.device) ->
     for name, module, (in_features, out_features, weight) in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = _quantized_linear(mode, in_features, out_features, weight, getattr(module, "bias", None), device)
+        layer = QUANTIZED_LINEAR[library](mode, in_features, out_features, weight, getattr(module, "bias", None), device)
         before += weight.numel() * weight.element_size()
         after += _packed_bytes(layer)
         setattr(parent, child, layer)
@@ -144,14 +189,15 @@ def quantize_reference(spec: RunSpec, model: torch.nn.Module, device: torch.devi
         logp = torch.log_softmax(logits(ids, mask)[:, :-1].float(), dim=-1)
         return logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
 
-    return quantize_role(model, spec.reference.quant, device, logprobs, "reference log-prob of the next token "
-                         "(nats)", probe)
+    return quantize_role(model, spec.reference.quant, spec.quant_library, device, logprobs,
+                         "reference log-prob of the next token (nats)", probe)
 
 
 def quantize_reward(spec: RunSpec, model: torch.nn.Module, device: torch.device, score: Forward) -> QuantizedRole:
     """The reward model in `reward.quant`; the deviation is that of its score of each sequence."""
     ids, mask, probe = _probe_tokens(spec, device)
-    return quantize_role(model, spec.reward.quant, device, lambda: score(ids, mask), "reward score", probe)
+    return quantize_role(model, spec.reward.quant, spec.quant_library, device, lambda: score(ids, mask),
+                         "reward score", probe)
 
 
 def quantize_frozen_model(spec: RunSpec, role: str, model: torch.nn.Module, device: torch.device,
@@ -168,20 +214,34 @@ def quantize_frozen_model(spec: RunSpec, role: str, model: torch.nn.Module, devi
     return quantize_reward(spec, model, device, score)
 
 
-def quantize_role(model: torch.nn.Module, mode: str, device: torch.device, output: Callable[[], torch.Tensor],
-                  metric: str, probe: str) -> QuantizedRole:
-    """Quantize `model` (a frozen role already on `device` in the run's precision) and measure what it costs:
-    `output()` runs the role on the probe batch, before and after."""
-    import bitsandbytes as bnb
+def import_library(library: str) -> str:
+    """Import the library (quietly where its noise is not ours) and name it with its version."""
+    if library == "bitsandbytes":
+        import bitsandbytes
 
-    bnb_logger = logging.getLogger("bitsandbytes.autograd._functions")
-    if not any(isinstance(f, _Once) for f in bnb_logger.filters):
-        bnb_logger.addFilter(_Once())
+        # it logs its fp16 cast of every int8 layer's input on every call, thousands of lines a run
+        bnb_logger = logging.getLogger("bitsandbytes.autograd._functions")
+        if not any(isinstance(f, _Once) for f in bnb_logger.filters):
+            bnb_logger.addFilter(_Once())
+        return f"bitsandbytes {bitsandbytes.__version__}"
+    torchao_logger = logging.getLogger("torchao")
+    if not torch.cuda.is_available():  # its CUDA-only kernel libraries (mxfp8, CUTLASS sm90a) cannot load here,
+        torchao_logger.setLevel(logging.ERROR)  # and neither int8 weight-only nor NF4 uses them
+    import torchao
+
+    return f"torchao {torchao.__version__}"
+
+
+def quantize_role(model: torch.nn.Module, mode: str, library: str, device: torch.device,
+                  output: Callable[[], torch.Tensor], metric: str, probe: str) -> QuantizedRole:
+    """Quantize `model` (a frozen role already on `device` in the run's precision) with `library` and measure
+    what it costs: `output()` runs the role on the probe batch, before and after."""
+    name = import_library(library)
     with torch.no_grad():
         reference = output().float()
-        layers, before, after = quantize_linears(model, mode, device)
+        layers, before, after = quantize_linears(model, mode, device, library)
         quantized = output().float()
-    return QuantizedRole(mode=mode, library=f"bitsandbytes {bnb.__version__}", layers=layers,
+    return QuantizedRole(mode=mode, library=name, layers=layers,
                          weight_bytes_before=before, weight_bytes_after=after, deviation_metric=metric,
                          mean_abs_deviation=(quantized - reference).abs().mean().item(),
                          mean_abs_value=reference.abs().mean().item(), probe=probe)

@@ -4,10 +4,13 @@
 # tokens, as the CPU benchmark sweep (scripts/glm_sweep.sh); each pair differs only in the claim's knob.
 #
 # Blocks:
-#   Q  B10's memory, INT8 frozen roles: glm-base PPO at ZeRO-2 bf16, reference and reward in int8 against both
-#      unquantized, every framework (the record keeps the bytes saved and the log-prob / score deviations)
-#   K  B10's accuracy: the same pairs on the tiny model for 120 PPO steps (the reward and KL curves; the claims
-#      check judges curves of 100+ steps), 1 rank
+#   Q  B10's memory, INT8 frozen roles: glm-base PPO at ZeRO-2 bf16, reference and reward in int8 (torchao)
+#      against both unquantized, every framework (the record keeps the bytes saved and the log-prob / score
+#      deviations)
+#   B  the same int8 cells with bitsandbytes instead (quant_library=bitsandbytes): which library's CPU path
+#      actually saves memory
+#   K  B10's accuracy: the torchao pairs on the tiny model for 120 PPO steps (the reward and KL curves; the
+#      claims check judges curves of 100+ steps), 1 rank
 #
 # Runs land in results/sweeps/claims (re-running resumes); the report is rebuilt at the end. `BLOCKS=Q` runs
 # only those blocks, `SEEDS=1,2` narrows the repeats.
@@ -26,15 +29,19 @@ sweep() { .venv/bin/python -m bench.run -m "${common[@]}" "$@"
             -exec rm -rf {} +; }
 for block in $blocks; do
   case $block in
-    Q) for quant in none int8; do  # both roles together: one knob, one pair per framework
+    Q|B) library=$([ "$block" = Q ] && echo torchao || echo bitsandbytes)
+       for quant in none int8; do  # both roles together: one pair per framework
+         [ "$block" = B ] && [ "$quant" = none ] && continue  # block Q's unquantized cells
+         extra=(); [ "$quant" = int8 ] && extra=(quant_library=$library)
          sweep "${glm_base[@]}" framework=dschat,colossalai,trlx stage=ppo steps=4 precision=bf16 zero=2 lora=0 \
-           seed=$seeds reference.quant=$quant reward.quant=$quant
+           seed=$seeds reference.quant=$quant reward.quant=$quant "${extra[@]}"
        done ;;
     K) for quant in none int8; do
+         extra=(); [ "$quant" = int8 ] && extra=(quant_library=torchao)
          sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
-           zero=2 lora=0 seed=$seeds reference.quant=$quant reward.quant=$quant
+           zero=2 lora=0 seed=$seeds reference.quant=$quant reward.quant=$quant "${extra[@]}"
        done ;;
-    *) echo "unknown block $block (known: Q K)" >&2; exit 2 ;;
+    *) echo "unknown block $block (known: Q B K)" >&2; exit 2 ;;
   esac
 done
 .venv/bin/python -m bench.report "$sweep_dir"

@@ -78,13 +78,14 @@ def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Te
 
 
 def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
-    """What reference.quant changes in the policy's state: the hydra branch's linear weights (its blocks'
-    12h^2 and the untied LM head's V x h) in 8 or 4 bits instead of `weight_bytes` each."""
-    h, vocab = shape.arch.hidden, shape.arch.vocab
+    """What reference.quant changes in the policy's state: the hydra branch's block weights (12h^2 a block)
+    in 8 or 4 bits instead of `weight_bytes` each; its untied LM head stays (adapters/quantize.py)."""
+    h = shape.arch.hidden
     top = _unfrozen(shape, "num_layers_unfrozen", 2)
-    weights, rows = top * 12 * h * h + vocab * h, top * 9 * h + vocab
+    weights, rows = top * 12 * h * h, top * 9 * h
     mode = dict(shape.quant)["ref"]
-    return Terms(params=quantized_weight_bytes(weights, rows, mode) - weights * weight_bytes)
+    return Terms(params=quantized_weight_bytes(weights, rows, mode, shape.quant_library, weight_bytes)
+                 - weights * weight_bytes)
 
 
 def predict(shape: RunShape) -> dict[str, Terms]:

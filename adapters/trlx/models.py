@@ -45,6 +45,11 @@ class GPT2Branch(nn.Module):
         for param in self.parameters():
             param.requires_grad_(False)
 
+    def get_output_embeddings(self) -> nn.Module:
+        """The branch's LM head, as a transformers model names its own: reference.quant keeps it in the run's
+        precision (adapters/quantize.py), as transformers' load_in_8bit keeps every model's lm_head."""
+        return self.lm_head
+
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         mask = causal_padding_mask(attention_mask, hidden.dtype)
         for block in self.blocks:

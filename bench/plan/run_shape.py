@@ -42,6 +42,7 @@ class RunShape:
     options: dict[str, Any]
     dropout: float = 0.0  # the model's dropout; each framework says which roles train with it
     quant: tuple[tuple[str, str], ...] = ()  # (frozen role, none | int8 | nf4): reference.quant, reward.quant
+    quant_library: str = "torchao"
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
 
     @classmethod
@@ -53,7 +54,8 @@ class RunShape:
                    batch=spec.batch, prompt_len=spec.prompt_len, answer_len=spec.answer_len,
                    data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
-                   device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)))
+                   device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)),
+                   quant_library=spec.quant_library)
 
     @property
     def value_bytes(self) -> int:
@@ -84,10 +86,15 @@ def frozen_state(params: float, weight_bytes: int, shard: int = 1) -> Terms:
     return Terms(params=params * weight_bytes / shard)
 
 
-def quantized_weight_bytes(weights: float, rows: float, mode: str) -> float:
-    """Linear weights as bitsandbytes stores them (adapters/quantize.py): int8, one fp32 scale per output row;
-    NF4, two values a byte, a uint8 absmax per block of 64 and an fp32 one per 256 such blocks."""
-    return weights + 4 * rows if mode == "int8" else weights / 2 + weights / 64 + 4 * weights / (64 * 256)
+def quantized_weight_bytes(weights: float, rows: float, mode: str, library: str = "torchao",
+                           value_bytes: int = 2) -> float:
+    """Linear weights as the quantization library stores them (adapters/quantize.py): int8 in both, one fp32
+    scale per output row; NF4 two values a byte and an 8-bit absmax per block of 64, whose 256-block groups
+    keep one factor more: fp32 in bitsandbytes, the run's `value_bytes` in torchao."""
+    if mode == "int8":
+        return weights + 4 * rows
+    factor_bytes = 4 if library == "bitsandbytes" else value_bytes
+    return weights / 2 + weights / 64 + factor_bytes * weights / (64 * 256)
 
 
 def frozen_role(shape: RunShape, role: str, params: float, weight_bytes: int, shard: int = 1) -> Terms:
@@ -99,7 +106,8 @@ def frozen_role(shape: RunShape, role: str, params: float, weight_bytes: int, sh
         return frozen_state(params, weight_bytes, shard)
     h, layers = shape.arch.hidden, shape.arch.layers
     weights = layers * 12 * h * h
-    return Terms(params=(params - weights) * weight_bytes + quantized_weight_bytes(weights, layers * 9 * h, mode))
+    return Terms(params=(params - weights) * weight_bytes + quantized_weight_bytes(
+        weights, layers * 9 * h, mode, shape.quant_library, weight_bytes))
 
 
 def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0, dropout: bool = False,

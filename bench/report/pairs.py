@@ -25,7 +25,7 @@ KNOBS: dict[str, Callable[[str], bool]] = {
     "lora": lambda key: key == "lora",
     "grad_ckpt": lambda key: key == "grad_ckpt",
     "precision": lambda key: key == "precision",
-    "quant": lambda key: key in ("reference.quant", "reward.quant"),
+    "quant": lambda key: key in ("reference.quant", "reward.quant", "quant_library"),
 }
 
 

@@ -31,7 +31,8 @@ BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "w
 # key's null default means 4 outside soak runs, so new runs do not pool with them.)
 ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1, "debug.leak_mib_per_step": 0,
               "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False,
-              "reference.quant": "none", "reward.quant": "none", "grad_clip": None}
+              "reference.quant": "none", "reward.quant": "none", "grad_clip": None,
+              "quant_library": "bitsandbytes"}  # the only library before the key existed
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -76,6 +77,8 @@ def cell_config(record: dict[str, Any], stage: str) -> dict[str, Any]:
     for key in ("init.sft", "init.rm"):
         if flat.get(key) is not None:
             flat[key] = "given"
+    if flat["reference.quant"] == flat["reward.quant"] == "none":
+        flat["quant_library"] = None  # nothing quantized: which library would have is no difference
     flat["stage_row"] = stage
     flat["device"] = (record.get("environment") or {}).get("device")
     return flat
@@ -156,10 +159,11 @@ def update_passes(config: dict[str, Any]) -> int:
 
 
 def _quant(config: dict[str, Any]) -> str:
-    """The frozen roles' weights: "none", or e.g. "ref int8, reward int8"."""
+    """The frozen roles' weights: "none", or e.g. "ref int8, reward int8 (torchao)"."""
     modes = {role: (config.get(key) or {}).get("quant", "none") for role, key in (("ref", "reference"),
                                                                                    ("reward", "reward"))}
-    return ", ".join(f"{role} {mode}" for role, mode in modes.items() if mode != "none") or "none"
+    quantized = ", ".join(f"{role} {mode}" for role, mode in modes.items() if mode != "none")
+    return f"{quantized} ({config.get('quant_library', ADDED_KEYS['quant_library'])})" if quantized else "none"
 
 
 def _trlx_reference(config: dict[str, Any]) -> str:

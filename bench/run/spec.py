@@ -67,7 +67,7 @@ def quant_extensions(spec: RunSpec, framework: str) -> list[dict[str, str]]:
     """reference.quant / reward.quant: no framework quantizes its frozen roles (adapters/quantize.py)."""
     return [{"knob": f"{role}.quant={getattr(spec, role).quant}",
              "reason": f"{framework} keeps its frozen {role} model in the run's precision; the harness stores its "
-                       "linear weights in 8 or 4 bits with bitsandbytes"}
+                       f"linear weights in 8 or 4 bits with {spec.quant_library}"}
             for role in ("reference", "reward") if getattr(spec, role).quant != "none"]
 
 
@@ -209,12 +209,15 @@ class CheckpointSpec:
 
 
 QUANT_MODES = ("none", "int8", "nf4")
+# torchao: pure-torch weight-only int8 and NF4 tensors, their allocations torch's own (the default);
+# bitsandbytes: LLM.int8 / Linear4bit, whose CPU int8 path holds memory outside torch (README, quantized roles)
+QUANT_LIBRARIES = ("torchao", "bitsandbytes")
 
 
 @dataclass(frozen=True)
 class FrozenRoleSpec:
     """Knobs of a frozen PPO role (config groups `reference` and `reward`): `quant` stores its linear weights in
-    8 or 4 bits (bitsandbytes, adapters/quantize.py), a harness extension in every framework."""
+    8 or 4 bits (with `quant_library`, adapters/quantize.py), a harness extension in every framework."""
 
     quant: str = "none"
 
@@ -266,6 +269,7 @@ class RunSpec:
     init: InitSpec = field(default_factory=InitSpec)
     reference: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
     reward: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
+    quant_library: str = "torchao"  # which library quantizes the frozen roles (QUANT_LIBRARIES)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
 
@@ -335,6 +339,7 @@ class RunSpec:
             raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
         if self.offload and self.zero == 0:
             raise UnsupportedError("offload=true needs zero >= 1: ZeRO-Offload moves ZeRO-partitioned state")
+        _choice("quant_library", self.quant_library, QUANT_LIBRARIES)
         for role in ("reference", "reward"):
             quant = getattr(self, role).quant
             _choice(f"{role}.quant", quant, QUANT_MODES)
@@ -438,6 +443,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         resume=cfg.get("resume", False),
         init=InitSpec(**dict(cfg.get("init") or {})),
         reference=FrozenRoleSpec(**dict(cfg.get("reference") or {})),
+        quant_library=cfg.get("quant_library", "torchao"),
         reward=FrozenRoleSpec(**dict(cfg.get("reward") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),
