@@ -160,7 +160,8 @@ def quantize_linears(model: torch.nn.Module, mode: str, device: torch.device, li
     for name, module, (in_features, out_features, weight) in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        layer = QUANTIZED_LINEAR[library](mode, in_features, out_features, weight, getattr(module, "bias", None), device)
+        bias = getattr(module, "bias", None)
+        layer = QUANTIZED_LINEAR[library](mode, in_features, out_features, weight, bias, device)
         before += weight.numel() * weight.element_size()
         after += _packed_bytes(layer)
         setattr(parent, child, layer)
