@@ -144,6 +144,7 @@ class Adapter(ABC):
         self.spec = spec
         self.ctx = ctx
         self.quantized: dict[str, Any] = {}  # role -> adapters.quantize.QuantizedRole, filled by setup()
+        self.reward_scaling: Any = None  # adapters.reward_norm.RewardScaling of a PPO stage (set_reward_scaling)
         if spec.reference.quant != "none" or spec.reward.quant != "none":
             # imported here, in the worker's `imports` phase: the library's own resident bytes (torchao's ~80
             # MiB of modules and kernel libraries, bitsandbytes' ~40) are an import, not what quantizing saves or costs
@@ -155,6 +156,16 @@ class Adapter(ABC):
     def setup(self, stage: str, init: dict[str, str]) -> None:
         """Build the stage's models and engines; `init` maps "sft"/"rm" to checkpoint files."""
 
+    # reward.normalize where the config leaves it null: DS-Chat and ColossalChat take the RM's score as it is
+    upstream_reward_normalize = "none"
+
+    def set_reward_scaling(self, init: dict[str, str]) -> None:
+        """What make_experience does to the RM's scores (reward.normalize, adapters/reward_norm.py); the loop
+        calls it after a PPO stage's setup."""
+        from adapters.reward_norm import reward_scaling
+
+        self.reward_scaling = reward_scaling(self.spec, init, self.upstream_reward_normalize)
+
     @abstractmethod
     def sft_step(self, batch: SFTBatch) -> TrainOutput:
         """One SFT step; the trained role is named "actor" (the model PPO will start from)."""
@@ -164,8 +175,9 @@ class Adapter(ABC):
         """One pairwise reward-model step; the trained role is named "reward"."""
 
     @abstractmethod
-    def rm_accuracy(self, batch: PreferenceBatch) -> float:
-        """Share of pairs the reward model ranks correctly (no gradient)."""
+    def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reward model's end scores of the chosen and of the rejected sequences, in eval mode, no
+        gradient (fp32, any device): the RM stage's held-out accuracy and score statistics."""
 
     @abstractmethod
     def generate(self, batch: PromptBatch) -> Rollout: ...

@@ -106,7 +106,8 @@ def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
     assert [e["knob"] for e in record["harness_extension"]] == ["framework.optimizer=torch_adamw"]
     # DS-Chat's gradient_clipping 1.0, read back from every trained engine of every step
     assert [record["stages"][s]["engine_knobs"] for s in ("sft", "rm", "ppo")] == [
-        {"grad_clip": {"actor": 1.0}}, {"grad_clip": {"reward": 1.0}}, {"grad_clip": {"actor": 1.0, "critic": 1.0}}]
+        {"grad_clip": {"actor": 1.0}}, {"grad_clip": {"reward": 1.0}},
+        {"grad_clip": {"actor": 1.0, "critic": 1.0}, "reward_normalize": {"mode": "none"}}]  # the RM score as is
 
 
 def test_compute_fp32_loss_upcasts_the_experience_logits_and_values_but_not_the_new_log_probs(run_bench):

@@ -44,7 +44,7 @@ class NanOnRankOne(Adapter):
     def close(self):
         pass
 
-    rm_step = rm_accuracy = generate = make_experience = ppo_train = save = None
+    rm_step = rm_scores = generate = make_experience = ppo_train = save = None
 
 
 def _rank(rank: int, port: int, results) -> None:

@@ -130,14 +130,26 @@ def test_a_quantized_role_is_whole_on_every_rank_even_at_zero3() -> None:
 
 @pytest.mark.engine
 @pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx", "torch"])
-def test_every_adapter_runs_ppo_with_int8_frozen_roles(run_bench, framework: str) -> None:
-    # ZeRO-2 (trlx through DeepSpeed); the same runs read a set grad_clip back from each trained engine
+def test_every_adapter_runs_ppo_with_the_claims_knobs(run_bench, framework: str) -> None:
+    # ZeRO-2 (trlx through DeepSpeed), int8 frozen roles; the same runs read a set grad_clip back from each
+    # trained engine and z-score the RM's scores with the prerequisite RM stage's held-out statistics
     record = run_bench(f"framework={framework}", "stage=ppo", "steps=3", "warmup_steps=1", "precision=bf16",
-                       "zero=2", "grad_clip=0.125", "reference.quant=int8", "reward.quant=int8")
+                       "zero=2", "grad_clip=0.125", "reference.quant=int8", "reward.quant=int8",
+                       "reward.normalize=zscore")
     ppo = record["stages"]["ppo"]
     assert record["status"] == "ok", ppo.get("error")
+    heldout = record["prerequisites"]["rm"]["heldout_scores"]
+    applied = ppo["engine_knobs"]["reward_normalize"]
+    assert applied == {"mode": "zscore", **{k: heldout[k] for k in ("mean", "std", "count", "check_mean",
+                                                                   "check_std")}}
+    # z-scored with the first split's statistics, the second held-out split has mean about 0 and std about 1
+    # (64 scores a split: the mean's standard error is about 1/8)
+    assert abs(heldout["check_mean"]) < 0.4 and 0.7 < heldout["check_std"] < 1.3, heldout
+    # the plain-PyTorch reference has no upstream, so nothing it does is an extension of one
+    tagged = [e["knob"] for e in record["harness_extension"]]
+    assert ("reward.normalize=zscore" in tagged) == (framework != "torch")
     trained = ["actor"] if framework == "trlx" else ["actor", "critic"]
-    assert ppo["engine_knobs"] == {"grad_clip": dict.fromkeys(trained, 0.125)}
+    assert ppo["engine_knobs"]["grad_clip"] == dict.fromkeys(trained, 0.125)
     quantized = ppo["quantized"]
     assert set(quantized) == {"ref", "reward"}
     for role, entry in quantized.items():

@@ -72,7 +72,8 @@ class ExperienceMaker:
         action_mask_f = action_mask.to(log_probs.dtype)
         log_ratio = log_probs - ref_log_probs
         rewards = -ppo.kl_coef * log_ratio * action_mask_f
-        rewards += score.clamp(-ppo.reward_clip, ppo.reward_clip)[:, None].to(rewards.dtype) * action_mask_f
+        scaled = self.reward_scaling(score)  # reward.normalize (none upstream), before coati's clip
+        rewards += scaled.clamp(-ppo.reward_clip, ppo.reward_clip)[:, None].to(rewards.dtype) * action_mask_f
         advantages, _ = gae(values.to(rewards.dtype), rewards, 0, ppo.gamma, ppo.lam)  # every action position
         payload = {"seq": seq, "mask": mask, "action_mask": action_mask_f, "log_probs": log_probs,
                    "values": values, "advantages": advantages}

@@ -5,7 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.run.spec import RunSpec, SpecError, UnsupportedError, checkpoint_extensions, quant_extensions
+from bench.run.spec import (
+    RunSpec,
+    SpecError,
+    UnsupportedError,
+    checkpoint_extensions,
+    normalize_extensions,
+    quant_extensions,
+)
 
 OPTIMIZERS = ("hybrid_adam", "torch_adamw")
 PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
@@ -166,7 +173,7 @@ class ColossalOptions:
         if options.optimizer == "torch_adamw":
             found.append({"knob": "framework.optimizer=torch_adamw", "reason": "ColossalChat always builds HybridAdam"})
         return (found + checkpoint_extensions(spec, "ColossalChat", upstream_saves=True)
-                + quant_extensions(spec, "ColossalChat"))
+                + quant_extensions(spec, "ColossalChat") + normalize_extensions(spec, "ColossalChat"))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> ColossalOptions:

@@ -96,10 +96,9 @@ class Update:
         return out
 
     @torch.no_grad()
-    def rm_accuracy(self, batch: PreferenceBatch) -> float:
+    def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.models["reward"].eval()
-        chosen, rejected = self._pair_scores(batch)
-        return float((chosen > rejected).float().mean())
+        return self._pair_scores(batch)
 
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = experience.payload

@@ -68,7 +68,8 @@ class ExperienceMaker:
         action_mask = mask[:, 1:]
         payload = {
             "seq": seq, "mask": mask, "start": start, "log_probs": log_probs,
-            "ref_log_probs": ref_log_probs, "score": score, "values": values,
+            "ref_log_probs": ref_log_probs, "values": values,
+            "score": self.reward_scaling(score),  # reward.normalize (none upstream); update.py clips it
         }
         return Experience(
             payload=payload,

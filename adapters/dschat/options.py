@@ -10,6 +10,7 @@ from bench.run.spec import (
     SpecError,
     UnsupportedError,
     checkpoint_extensions,
+    normalize_extensions,
     quant_extensions,
     require_data_parallel_only,
 )
@@ -95,7 +96,7 @@ class DSChatOptions:
             found.append({"knob": "framework.optimizer=torch_adamw",
                           "reason": "DS-Chat always builds FusedAdam (DeepSpeedCPUAdam with --offload)"})
         return (found + checkpoint_extensions(spec, "DS-Chat", upstream_saves=False)
-                + quant_extensions(spec, "DS-Chat"))
+                + quant_extensions(spec, "DS-Chat") + normalize_extensions(spec, "DS-Chat"))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> DSChatOptions:

@@ -81,12 +81,12 @@ class Update:
         return out
 
     @torch.no_grad()
-    def rm_accuracy(self, batch: PreferenceBatch) -> float:
+    def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         engine = self.engines["reward"]
         engine.eval()
         result = engine(*self._pair_inputs(batch))
         engine.train()
-        return float((result["chosen_end_scores"] > result["rejected_end_scores"]).float().mean())
+        return result["chosen_end_scores"].float(), result["rejected_end_scores"].float()
 
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = experience.payload

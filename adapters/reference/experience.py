@@ -59,7 +59,8 @@ class ExperienceMaker:
         start = rollout.prompt_len - 1
         action_mask = mask[:, 1:]
         payload = {"seq": seq, "mask": mask, "start": start, "log_probs": log_probs.float(),
-                   "ref_log_probs": ref_log_probs.float(), "score": score.float(), "values": values.float()}
+                   "ref_log_probs": ref_log_probs.float(), "score": self.reward_scaling(score.float()),
+                   "values": values.float()}
         return Experience(
             payload=payload,
             reward=float(score.float().mean()),

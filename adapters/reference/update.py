@@ -74,12 +74,12 @@ class Update:
         return out
 
     @torch.no_grad()
-    def rm_accuracy(self, batch: PreferenceBatch) -> float:
+    def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.modules["reward"].eval()
         values, _, mask = self._pair_values(batch)
         self.modules["reward"].train()
         scores, n = end_scores(values, mask), batch.chosen_ids.shape[0]
-        return float((scores[:n] > scores[n:]).float().mean())
+        return scores[:n], scores[n:]
 
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = experience.payload

@@ -22,7 +22,7 @@ from adapters.deepspeed_cpu import allow_fp16
 from adapters.deepspeed_state import held_bytes, zero3_masters
 from adapters.state_bytes import model_state
 from adapters.trlx.engines import Engines
-from adapters.trlx.experience import ExperienceMaker, RunningMoments
+from adapters.trlx.experience import ExperienceMaker
 from adapters.trlx.models import PolicyWithValueHead
 from adapters.trlx.options import TrlxOptions
 from adapters.trlx.update import Update
@@ -91,7 +91,6 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         self.reward_model: torch.nn.Module | None = None
         self._counts: dict[str, ParamCounts] = {}
         self._dtypes: dict[str, str] = {}
-        self._moments = RunningMoments()
         self._resumed_ppo = False
         self._kl_coef = self.options.ppo.init_kl_coef
 
@@ -172,6 +171,12 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
             states["reward_fn"] = model_state(self.reward_model.parameters(), None)
             states["reward_fn"].device = str(self.reward_device)
         return states
+
+    @property
+    def upstream_reward_normalize(self) -> str:
+        """trlx's scale_reward: running, ref (over the first rollout's std) or ignored (none)."""
+        scale = self.options.ppo.scale_reward
+        return "none" if scale == "ignored" else scale
 
     def engine_knobs(self) -> dict[str, dict[str, float]]:
         """DeepSpeed's own clipping, read from the engine; under DDP the update's own clip (0: none, as trlx)."""

@@ -71,12 +71,15 @@ class ExperienceMaker:
         chunks = None
         if self.ctx.rank == 0:
             rm_scores = self._score(torch.cat(gathered), torch.cat(masks))
-            clipped = rm_scores.clamp(-ppo.cliprange_reward, ppo.cliprange_reward)
-            self._moments.update(clipped)
-            if ppo.scale_reward == "running":
-                clipped = clipped / self._moments.std
-            elif ppo.scale_reward == "ref":
-                clipped = clipped / self._moments.first_std
+            scaling = self.reward_scaling
+            # reward.normalize=zscore (a harness extension) before trlx's clip; its own scalings after it
+            scores = scaling(rm_scores) if scaling.mode == "zscore" else rm_scores
+            clipped = scores.clamp(-ppo.cliprange_reward, ppo.cliprange_reward)
+            scaling.moments.update(clipped)
+            if scaling.mode == "running":
+                clipped = clipped / scaling.moments.std
+            elif scaling.mode == "ref":
+                clipped = clipped / scaling.moments.first_std
             chunks = [pair.contiguous() for pair in torch.stack([rm_scores, clipped]).split(seq.shape[0], dim=1)]
         if world > 1:
             dist.scatter(both, chunks, src=0)
@@ -116,28 +119,3 @@ class ExperienceMaker:
         del outputs
         return Experience(payload=payload, reward=float(rm_scores.mean()), kl=kl, value=value,
                           tokens=rollout.real_tokens, samples=rollout.samples)
-
-
-class RunningMoments:
-    """trlx's RunningMoments: running mean and std of every score seen (Chan's parallel update)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.mean = 0.0
-        self.var = 1.0
-        self.first_std: float | None = None
-
-    def update(self, x: torch.Tensor) -> None:
-        n, mean, var = x.numel(), float(x.mean()), float(x.var(unbiased=False)) if x.numel() > 1 else 0.0
-        if self.first_std is None:
-            self.first_std = max(float(x.std()) if n > 1 else 1.0, 1e-8)
-        total = self.count + n
-        delta = mean - self.mean
-        m2 = self.var * self.count + var * n + delta**2 * self.count * n / total
-        self.mean += delta * n / total
-        self.var = m2 / total
-        self.count = total
-
-    @property
-    def std(self) -> float:
-        return max((self.var * self.count / max(self.count - 1, 1)) ** 0.5, 1e-8)

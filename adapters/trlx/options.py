@@ -10,6 +10,7 @@ from bench.run.spec import (
     SpecError,
     UnsupportedError,
     checkpoint_extensions,
+    normalize_extensions,
     quant_extensions,
     require_data_parallel_only,
 )
@@ -109,7 +110,7 @@ class TrlxOptions:
             found.append({"knob": f"grad_clip={spec.grad_clip} at zero=0", "reason": "trlx clips only through "
                           "DeepSpeed's gradient_clipping; its DDP path calls no clip (the harness clips there)"})
         return (found + checkpoint_extensions(spec, "trlx", upstream_saves=True)
-                + quant_extensions(spec, "trlx"))
+                + quant_extensions(spec, "trlx") + normalize_extensions(spec, "trlx", ("none", "running")))
 
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:

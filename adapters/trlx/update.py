@@ -71,11 +71,14 @@ class Update:
                           batch.rejected_ids.to(device), batch.rejected_mask.to(device))
 
     @torch.no_grad()
-    def rm_accuracy(self, batch: PreferenceBatch) -> float:
+    def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
         self.model.eval()
-        _, correct = self._pair_loss(batch, self.ctx.device)
+        device, n = self.ctx.device, batch.chosen_ids.shape[0]
+        ids = torch.cat([batch.chosen_ids, batch.rejected_ids]).to(device)
+        mask = torch.cat([batch.chosen_mask, batch.rejected_mask]).to(device)
+        scores = self._unwrapped.end_scores(ids, mask)
         self.model.train()
-        return float(correct.mean())
+        return scores[:n], scores[n:]
 
     def ppo_train(self, experience: Experience) -> TrainOutput:
         p = {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in experience.payload.items()}

@@ -26,6 +26,7 @@ KNOBS: dict[str, Callable[[str], bool]] = {
     "grad_ckpt": lambda key: key == "grad_ckpt",
     "precision": lambda key: key == "precision",
     "quant": lambda key: key in ("reference.quant", "reward.quant", "quant_library"),
+    "normalize": lambda key: key == "reward.normalize",
 }
 
 

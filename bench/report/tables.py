@@ -10,8 +10,8 @@ from bench.results.collect import is_forced_failure, phases_in
 
 MIB = 1024.0 * 1024.0
 SHOWN_CONFIG = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc")
-EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "quant", "reference", "upstream_fix",
-                "harness_extension", "tags")
+EXTRA_CONFIG = ("tp", "pp", "plugin", "offload", "grad_ckpt", "quant", "normalize", "reference",
+                "upstream_fix", "harness_extension", "tags")
 Cells = dict[str, dict[str, Any]]
 
 

@@ -20,8 +20,8 @@ from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETU
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
 CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
-                  "plugin", "offload", "grad_ckpt", "quant", "reference", "upstream_fix", "harness_extension",
-                  "seed")
+                  "plugin", "offload", "grad_ckpt", "quant", "normalize", "reference", "upstream_fix",
+                  "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
                     "preflight")
@@ -32,7 +32,8 @@ BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "w
 ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1, "debug.leak_mib_per_step": 0,
               "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False,
               "reference.quant": "none", "reward.quant": "none", "grad_clip": None,
-              "quant_library": "bitsandbytes"}  # the only library before the key existed
+              "quant_library": "bitsandbytes",  # the only library before the key existed
+              "reward.normalize": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -113,6 +114,7 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "offload": config.get("offload"),
         "grad_ckpt": config.get("grad_ckpt"),
         "quant": _quant(config),
+        "normalize": (config.get("reward") or {}).get("normalize") or "upstream",
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
         # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
         "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,
@@ -240,8 +242,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["loss_scale_min"] = _number(stability.get("loss_scale_min"))
     learning = result.get("learning") or {}
     for key in ("reward_start", "reward_end", "accuracy_start", "accuracy_end", "generated_tokens_start",
-                "generated_tokens_end", "kl_start", "kl_end"):
+                "generated_tokens_end", "kl_start", "kl_end", "converged_step"):
         row[key] = _number(learning.get(key))
+    heldout = learning.get("heldout_scores") or {}
+    row["heldout_score_mean"], row["heldout_score_std"] = heldout.get("mean"), heldout.get("std")
     losses = learning.get("loss_curve") or []
     row["loss_start"], row["loss_end"] = (_number(losses[0]), _number(losses[-1])) if losses else (None, None)
     row["model_state_bytes_rank0"] = _model_state_rank0(result.get("model_state") or {})

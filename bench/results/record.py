@@ -377,12 +377,33 @@ def _steps(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return merged
 
 
+CONVERGED_FRACTION = 0.9  # of the preferred-token share's gain from the first window to the last
+
+
+def convergence_step(shares: list[float | None], window: int, fraction: float = CONVERGED_FRACTION) -> int | None:
+    """PPO's convergence on the synthetic task: the first step (0-based) whose trailing `window`-step mean of
+    the preferred-token share has covered `fraction` of the way from the first window's mean to the last
+    window's; None where the share did not rise (nothing to converge to) or a value is missing."""
+    if len(shares) < 2 * window or any(v is None for v in shares):
+        return None
+    start, final = sum(shares[:window]) / window, sum(shares[-window:]) / window
+    if final <= start:
+        return None
+    target = start + fraction * (final - start)
+    # found at the latest in the last window, whose mean is the final value itself
+    return next(step for step in range(window - 1, len(shares))
+                if sum(shares[step - window + 1:step + 1]) / window >= target)
+
+
 def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any]]) -> dict[str, Any]:
     learning: dict[str, Any] = {}
     for key in ("accuracy_start", "accuracy_end"):
         values = [r["learning"][key] for r in ranks if key in r.get("learning", {})]
         if values:
             learning[key] = _mean(values)
+    heldout = [r["learning"]["heldout_scores"] for r in ranks if "heldout_scores" in r.get("learning", {})]
+    if heldout:  # pooled over the ranks already: every rank holds the same
+        learning["heldout_scores"] = heldout[0]
     if stage in ("sft", "rm"):
         role = "actor" if stage == "sft" else "reward"
         learning["loss_curve"] = [s.get(f"loss/{role}") for s in steps]
@@ -400,6 +421,11 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
             preferred_fraction_end=_mean([s.get("preferred_fraction") for s in steps[-window:]]),
             generated_tokens_start=_mean([s.get("generated_tokens") for s in steps[:window]]),
             generated_tokens_end=_mean([s.get("generated_tokens") for s in steps[-window:]]),
+            converged_step=convergence_step([s.get("preferred_fraction") for s in steps], window),
+            converged_definition=(
+                f"the first timed step (0-based) whose trailing {window}-step mean of the preferred-token share "
+                f"covers {CONVERGED_FRACTION:.0%} of its rise from the first {window} steps' mean to the last "
+                f"{window} steps'; null where it did not rise"),
         )
     learning["aggregate"] = "mean over ranks per step"
     return learning

@@ -17,7 +17,7 @@ from typing import Any
 from bench.measure.trend import soak_trends
 from bench.results.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
 from bench.run.launcher import launch_stage, remove_torn_writes
-from bench.run.spec import CheckpointSpec, DebugSpec, FrozenRoleSpec, LauncherSpec, RunSpec
+from bench.run.spec import CheckpointSpec, DebugSpec, FrozenRoleSpec, LauncherSpec, RewardSpec, RunSpec
 from bench.run.sweep import read_record
 
 log = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     return spec.replace(
         stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, grad_clip=None, lr=None,
         plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(), checkpoint=CheckpointSpec(), resume=False,
-        reference=FrozenRoleSpec(), reward=FrozenRoleSpec(),
+        reference=FrozenRoleSpec(), reward=RewardSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )
@@ -85,6 +85,7 @@ def _train_prerequisite_rm(rm_spec: RunSpec, directory: str, summary_path: str, 
         "steps": rm_spec.steps["rm"],
         "settings": "fp32, zero=0, lora=0, 1 rank",
         "accuracy_end": result.learning.get("accuracy_end"),
+        "heldout_scores": result.learning.get("heldout_scores"),  # what reward.normalize=zscore applies
         "error": result.error,
     }
     if result.status == "ok":

@@ -22,6 +22,7 @@ from bench.measure.phases import PhaseTracker
 from bench.measure.stability import StabilityTracker
 from bench.run.checkpoint import Checkpointer, latest_complete, set_rng_state
 from bench.run.data import SyntheticData
+from bench.run.reward_stats import STAT_BATCHES, Moments, heldout_statistics
 from bench.run.spec import RunSpec
 
 
@@ -133,6 +134,8 @@ class StageLoop:
         self._roles = self.adapter.phase_roles[stage]
         with self.tracker.phase("init"):
             self.adapter.setup(stage, init)
+            if stage == "ppo":
+                self.adapter.set_reward_scaling(init)
             first = self._resume(stage, checkpoints) if self.spec.resume and checkpoints else 0
         every = self.spec.checkpoint.every if checkpoints else 0
         checkpointer = Checkpointer(checkpoints, every, self.spec.checkpoint.background, self.adapter.ctx.rank,
@@ -176,7 +179,7 @@ class StageLoop:
         for observer in self.observers:
             observer.stop()
         if stage == "rm":
-            self.learning["accuracy_end"] = self._rm_eval(step=len(self.steps))
+            self.learning["accuracy_end"] = self._rm_eval(step=len(self.steps), statistics=True)
         summary = self.stability.summary()
         live = probe.close() if probe is not None else {}
         return {
@@ -191,10 +194,35 @@ class StageLoop:
             "checkpoints": checkpointer.saves if checkpointer is not None else [],
         }
 
-    def _rm_eval(self, step: int) -> float:
+    def _pooled(self, moments: Moments) -> Moments:
+        """`moments` pooled over the data-parallel ranks (every one scores its own held-out batches; the ranks
+        of one model-parallel group score the same, so their sum is divided by the group's size)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return moments
+        # float64 on the host: gloo reduces it, and a sum of squares keeps its digits (nccl: on the device)
+        device = self.tracker.device if self.tracker.device.type == "cuda" else torch.device("cpu")
+        values = torch.tensor([moments.count, moments.total, moments.squares], dtype=torch.float64, device=device)
+        dist.all_reduce(values)
+        return Moments(*(values / self.adapter.model_parallel_size).tolist())
+
+    def _rm_eval(self, step: int, statistics: bool = False) -> float:
+        """Held-out accuracy over EVAL_BATCHES preference batches; with `statistics` (the stage's end) the
+        scores of 2 x STAT_BATCHES batches more (the first EVAL_BATCHES among them) become the held-out score
+        statistics that reward.normalize=zscore applies in PPO (bench.run.reward_stats), in self.learning."""
         def work():
-            batches = [self.data.preferences(i, stage="eval") for i in range(EVAL_BATCHES)]
-            accuracy = sum(self.adapter.rm_accuracy(b) for b in batches) / len(batches)
+            count = 2 * STAT_BATCHES if statistics else EVAL_BATCHES
+            batches = [self.data.preferences(i, stage="eval") for i in range(count)]
+            scores = [self.adapter.rm_scores(b) for b in batches]
+            accuracy = sum(float((chosen > rejected).float().mean())
+                           for chosen, rejected in scores[:EVAL_BATCHES]) / EVAL_BATCHES
+            if statistics:
+                splits = [[float(v) for pair in scores[part] for side in pair for v in side]
+                          for part in (slice(0, STAT_BATCHES), slice(STAT_BATCHES, None))]
+                fit, check = (self._pooled(Moments.of(split)) for split in splits)
+                self.learning["heldout_scores"] = heldout_statistics(fit, check, (
+                    f"chosen and rejected end scores of {STAT_BATCHES} held-out preference batches of "
+                    f"{batches[0].chosen_ids.shape[0]} pairs per data-parallel rank; the check: {STAT_BATCHES} "
+                    "batches more")).as_dict()
             return {"tokens": sum(b.real_tokens for b in batches), "samples": 0, "accuracy": accuracy,
                     "width": batches[0].chosen_ids.shape[1]}
 

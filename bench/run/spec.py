@@ -71,6 +71,18 @@ def quant_extensions(spec: RunSpec, framework: str) -> list[dict[str, str]]:
             for role in ("reference", "reward") if getattr(spec, role).quant != "none"]
 
 
+def normalize_extensions(spec: RunSpec, framework: str, upstream: tuple[str, ...] = ("none",)
+                         ) -> list[dict[str, str]]:
+    """reward.normalize beyond what the framework offers (`upstream`; adapters/reward_norm.py)."""
+    mode = spec.reward.normalize
+    if mode is None or mode in upstream:
+        return []
+    how = ("minus the mean, over the std of the RM stage's scores on held-out pairs" if mode == "zscore"
+           else "over the running std of every score seen, as trlx's scale_reward=running")
+    return [{"knob": f"reward.normalize={mode}",
+             "reason": f"{framework} offers {' or '.join(upstream)}; the harness scales the RM's score {how}"}]
+
+
 def _choice(name: str, value: Any, allowed: tuple) -> Any:
     if value not in allowed:
         shown = ", ".join(str(a) for a in allowed)
@@ -222,6 +234,20 @@ class FrozenRoleSpec:
     quant: str = "none"
 
 
+# none: the RM score as it is; zscore: minus the mean, over the std of the RM stage's scores on held-out pairs;
+# running: over the running std of every score PPO has seen (trlx's scale_reward="running", no mean subtracted)
+NORMALIZE_MODES = ("none", "zscore", "running")
+
+
+@dataclass(frozen=True)
+class RewardSpec(FrozenRoleSpec):
+    """The reward role: its `quant`, and `normalize`, what PPO does to the RM's score before the framework's
+    own clipping (NORMALIZE_MODES); None keeps each framework's upstream default (trlx: framework.ppo.
+    scale_reward; DS-Chat and ColossalChat: none)."""
+
+    normalize: str | None = None
+
+
 @dataclass(frozen=True)
 class InitSpec:
     sft: str | None = None
@@ -268,7 +294,7 @@ class RunSpec:
     resume: bool = False
     init: InitSpec = field(default_factory=InitSpec)
     reference: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
-    reward: FrozenRoleSpec = field(default_factory=FrozenRoleSpec)
+    reward: RewardSpec = field(default_factory=RewardSpec)
     quant_library: str = "torchao"  # which library quantizes the frozen roles (QUANT_LIBRARIES)
     launcher: LauncherSpec = field(default_factory=LauncherSpec)
     stability: StabilitySpec = field(default_factory=StabilitySpec)
@@ -346,6 +372,11 @@ class RunSpec:
             if quant != "none" and "ppo" not in self.stages:
                 raise SpecError(f"{role}.quant={quant} quantizes a frozen PPO role; stage={self.stage} runs no PPO "
                                 "(use stage=ppo or stage=pipeline, or leave it none)")
+        if self.reward.normalize is not None:
+            _choice("reward.normalize", self.reward.normalize, NORMALIZE_MODES)
+            if "ppo" not in self.stages:
+                raise SpecError(f"reward.normalize={self.reward.normalize} scales PPO's rewards; stage={self.stage} "
+                                "runs no PPO (use stage=ppo or stage=pipeline, or leave it null)")
 
     @property
     def data_parallel(self) -> int:
@@ -390,7 +421,7 @@ class RunSpec:
         data["debug"] = DebugSpec(**data.get("debug") or {})
         data["checkpoint"] = CheckpointSpec(**data.get("checkpoint") or {})
         data["reference"] = FrozenRoleSpec(**data.get("reference") or {})
-        data["reward"] = FrozenRoleSpec(**data.get("reward") or {})
+        data["reward"] = RewardSpec(**data.get("reward") or {})
         return cls(**data)
 
     def replace(self, **changes: Any) -> RunSpec:
@@ -444,7 +475,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         init=InitSpec(**dict(cfg.get("init") or {})),
         reference=FrozenRoleSpec(**dict(cfg.get("reference") or {})),
         quant_library=cfg.get("quant_library", "torchao"),
-        reward=FrozenRoleSpec(**dict(cfg.get("reward") or {})),
+        reward=RewardSpec(**dict(cfg.get("reward") or {})),
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),
     )

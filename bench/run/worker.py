@@ -30,6 +30,7 @@ from bench.run.data import SyntheticData
 from bench.run.loop import StageLoop, StepObserver
 from bench.run.models import model_build_seconds
 from bench.run.progress import StepProgress
+from bench.run.reward_stats import HeldoutStatistics, write_statistics
 from bench.run.spec import RunSpec, UnsupportedError
 from bench.run.step_log import WandbSteps
 
@@ -131,6 +132,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result["computation_dtypes"] = adapter.computation_dtypes()
         result["quantized"] = adapter.quantized_roles()
         result["engine_knobs"] = adapter.engine_knobs()
+        if adapter.reward_scaling is not None:  # what PPO's make_experience did to the RM's scores
+            result["engine_knobs"]["reward_normalize"] = adapter.reward_scaling.knob()
         stability = result["stability"]
         if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
             result["status"] = "nan"
@@ -143,6 +146,9 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             start = time.perf_counter()
             result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
             result["save_s"] = time.perf_counter() - start
+            heldout = result["learning"].get("heldout_scores")
+            if heldout is not None and result["checkpoint"] and rank == 0:  # beside the file init.rm will name
+                write_statistics(HeldoutStatistics(**heldout), result["checkpoint"])
         result["outside_allocator"] = tracker.memory.outside_allocator()
     except BaseException as err:  # noqa: BLE001 -- every failure must become a record
         result["status"] = classify(err)
