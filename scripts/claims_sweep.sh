@@ -11,6 +11,8 @@
 #      actually saves memory
 #   K  B10's accuracy: the torchao pairs on the tiny model for 120 PPO steps (the reward and KL curves; the
 #      claims check judges curves of 100+ steps), 1 rank
+#   N  A13, z-score reward normalisation: reward.normalize=zscore against none, the tiny model for 120 PPO
+#      steps, 1 rank, 3 seeds (the steps until the preferred-token share covers 90 % of its rise)
 #
 # Runs land in results/sweeps/claims (re-running resumes); the report is rebuilt at the end. `BLOCKS=Q` runs
 # only those blocks, `SEEDS=1,2` narrows the repeats.
@@ -19,7 +21,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 name=claims
 sweep_dir=results/sweeps/$name
-blocks=${BLOCKS:-Q K}
+blocks=${BLOCKS:-Q K N}
 seeds=${SEEDS:-1,2,3}
 common=(sweep_name=$name launcher.timeout_s=3600)
 glm_base=(model=glm-base launcher.nproc=2 prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
@@ -41,7 +43,9 @@ for block in $blocks; do
          sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
            zero=2 lora=0 seed=$seeds reference.quant=$quant reward.quant=$quant "${extra[@]}"
        done ;;
-    *) echo "unknown block $block (known: Q B K)" >&2; exit 2 ;;
+    N) sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
+         zero=2 lora=0 seed=$seeds reward.normalize=none,zscore ;;
+    *) echo "unknown block $block (known: Q B K N)" >&2; exit 2 ;;
   esac
 done
 .venv/bin/python -m bench.report "$sweep_dir"

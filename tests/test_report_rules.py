@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from bench.report import claims, decision, differences, plots, tables, yardstick
-from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, TIE
+from bench.report.claims import CONTRADICTED, NOT_MEASURED, PARTLY, SUPPORTED, TIE
 from bench.report.decision import Leaf
 from bench.results.collect import collect
 from tests.report_records import MIB, config, record, write
@@ -353,3 +353,31 @@ def test_checkpoint_stalls_compare_sync_and_async_per_cell(tmp_path):
     assert rows["async"][column["stall s per save"]] == "0.600"
     assert rows["async"][column["background write s per save"]] == "3.000"
     assert rows["async"][column["MiB per checkpoint"]] == "64.0"
+
+
+def _convergence_runs(tmp_path, steps: dict[str, list[int | None]]):
+    runs = {}
+    for mode, converged in steps.items():
+        for seed, step in enumerate(converged):
+            data = record(config(seed=seed, **{"reward": {"normalize": mode}}), run_id=f"{mode}{seed}",
+                          step_times=[1.0] * 120)
+            data["stages"]["ppo"]["learning"].update(converged_step=step, preferred_fraction_end=0.8)
+            runs[f"{mode}{seed}"] = data
+    return _collect(tmp_path, runs)
+
+
+@pytest.mark.parametrize("zscore, none, verdict", [
+    ([30, 35, 40], [70, 80, 90], SUPPORTED),  # median 35 vs 80: 56 % fewer steps, ranges apart
+    ([50, 55, 60], [70, 80, 90], PARTLY),  # 31 % fewer: faster beyond the spread, short of 40 %
+    ([30, 60, 75], [70, 80, 90], CONTRADICTED),  # ranges touch: not faster beyond the repeats' spread
+    ([30, 35, 40], [70, None, None], SUPPORTED),  # none never rose twice: 120 (its whole length), median 120
+])
+def test_zscore_convergence_claim_reads_medians_over_three_seeds(tmp_path, zscore, none, verdict):
+    got, evidence = _verdict(_convergence_runs(tmp_path, {"zscore": zscore, "none": none}), "A13")
+    assert got == verdict, evidence
+    assert "steps to 90 % of the preferred-share rise" in evidence
+
+
+def test_zscore_convergence_needs_three_seeds_a_cell(tmp_path):
+    got, evidence = _verdict(_convergence_runs(tmp_path, {"zscore": [30, 35], "none": [70, 80]}), "A13")
+    assert got == NOT_MEASURED and "3+ seeds" in evidence

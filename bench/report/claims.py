@@ -310,6 +310,45 @@ def int8_frozen_roles(rows: Rows, records: Records, cells: Cells) -> tuple[str, 
     return verdict, f"{'; '.join(halves)}. " + "; ".join(parts) + _scale_note(rows)
 
 
+CLAIMED_SPEEDUP = 0.4  # A13: z-score normalisation converges in 40 % fewer steps
+MIN_SEEDS = 3  # A13: repeats per cell (the issue: compared over at least 3 seeds)
+
+
+def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    """A13, from PPO cells that differ only in reward.normalize (zscore against none), each with at least
+    MIN_SEEDS repeats: the steps until the preferred-token share covers 90 % of its rise (converged_step; a
+    run whose share never rose counts as its whole length, not converged). Per set: supported where zscore's
+    median is at most 60 % of none's and the repeats' ranges do not touch, partly where it is faster beyond
+    the spread by less, contradicted otherwise; the verdict is the sets' common outcome, else partly."""
+    outcomes, parts = [], []
+    for matched in matched_sets(rows, cells, "normalize", "ppo"):
+        runs = matched.by_value
+        if not {"zscore", "none"} <= set(runs) or min(len(runs["zscore"]), len(runs["none"])) < MIN_SEEDS:
+            continue
+        steps = {value: stat([r["converged_step"] if r.get("converged_step") is not None else r.get("timed_steps")
+                              for r in runs[value]]) for value in ("zscore", "none")}
+        z, n = steps["zscore"], steps["none"]
+        if z.median is None or n.median is None:
+            continue
+        faster = not tied(z, n) and z.median < n.median
+        outcome = (SUPPORTED if faster and z.median <= (1 - CLAIMED_SPEEDUP) * n.median
+                   else PARTLY if faster else CONTRADICTED)
+        outcomes.append(outcome)
+        never = {v: sum(r.get("converged_step") is None for r in runs[v]) for v in ("zscore", "none")}
+        share = matched.stats("preferred_fraction_end")
+        fewer = (1 - z.median / n.median) * 100 if n.median else 0.0
+        parts.append(
+            f"[{matched.fixed}] steps to 90 % of the preferred-share rise: zscore {z.fmt(1.0, 0)}, none "
+            f"{n.fmt(1.0, 0)} ({fewer:+.0f} % fewer with zscore; never rose: {never['zscore']} of "
+            f"{len(runs['zscore'])} zscore, {never['none']} of {len(runs['none'])} none runs); final preferred "
+            f"share {share['zscore'].fmt(1.0, 3)} vs {share['none'].fmt(1.0, 3)}: {outcome}")
+    if not outcomes:
+        return NOT_MEASURED, (f"needs ok PPO runs with reward.normalize zscore and none at one configuration, "
+                              f"{MIN_SEEDS}+ seeds each (scripts/claims_sweep.sh, block N)")
+    verdict = outcomes[0] if len(set(outcomes)) == 1 else PARTLY
+    return verdict, "; ".join(parts) + _scale_note(rows)
+
+
 def _median(runs: Rows, column: str) -> float | None:
     return stat([r.get(column) for r in runs]).median
 
@@ -407,8 +446,7 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]]
      _unmeasurable("the Hybrid Engine's FP16 path runs on CUDA only")),
     ("A12", "ColossalAI BF16 needs the loss scaler set to 1.0 by hand",
      _unmeasurable("a tuning claim about GLM-10B on GPUs; the harness records loss scales but sets none by hand")),
-    ("A13", "z-score reward normalisation makes PPO converge 40 % faster",
-     _unmeasurable("the harness has no reward-normalisation knob and tiny runs do not converge")),
+    ("A13", "z-score reward normalisation makes PPO converge 40 % faster", zscore_convergence),
     ("A14", "allgather_bucket_size = 5e8 cuts communication by 20 %", _unmeasurable(GPU_ONLY)),
     ("A15", "LoRA best practice: rank 8-32, q/k/v only, alpha = rank / 2",
      _unmeasurable("a recommendation about quality, not a measured quantity")),

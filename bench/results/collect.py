@@ -242,7 +242,8 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["loss_scale_min"] = _number(stability.get("loss_scale_min"))
     learning = result.get("learning") or {}
     for key in ("reward_start", "reward_end", "accuracy_start", "accuracy_end", "generated_tokens_start",
-                "generated_tokens_end", "kl_start", "kl_end", "converged_step"):
+                "generated_tokens_end", "kl_start", "kl_end", "converged_step", "preferred_fraction_start",
+                "preferred_fraction_end"):
         row[key] = _number(learning.get(key))
     heldout = learning.get("heldout_scores") or {}
     row["heldout_score_mean"], row["heldout_score_std"] = heldout.get("mean"), heldout.get("std")
