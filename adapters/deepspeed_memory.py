@@ -15,24 +15,30 @@ from bench.plan.physics import Terms
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
 
 
-def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16") -> Terms:
+def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
+                   bucket_elements: int | None = None) -> Terms:
     """Gradient bytes of one trained model at the end of its backward on one rank, on top of the eager fp32
-    gradients (eager_gradient_bytes). ZeRO-2 fills and frees its reduce bucket within the backward; ZeRO-3
-    keeps it (resident_buffers)."""
+    gradients (eager_gradient_bytes). ZeRO-2 fills and frees its reduce bucket (`bucket_elements`:
+    ds.reduce_bucket_size, None for DeepSpeed's default) within the backward; ZeRO-3 keeps it
+    (resident_buffers)."""
+    bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
     # ZeRO-2 copies each half gradient into the bucket as its hook fires and drops it; ZeRO-3 keeps the
     # rank's partition of them; ZeRO-0/1 keep them whole until the step
     half = 0.0 if zero == 2 else value_bytes * trainable / (dp if zero >= 3 else 1)
     fp32 = 0.0 if eager_gradient_bytes(trainable, precision, zero) else 4 * trainable / (dp if zero >= 1 else 1)
-    bucket = value_bytes * min(trainable, REDUCE_BUCKET_ELEMENTS) if zero == 2 else 0.0
+    bucket = value_bytes * min(trainable, bucket_elements) if zero == 2 else 0.0
     return Terms(grads=half + fp32, buffers=bucket)
 
 
-def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str) -> Terms:
-    """ZeRO-3's reduce bucket, allocated with the engine and kept: whole on a GPU; on the host only the
-    pages a backward writes (about one value per trained parameter) become resident."""
+def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str,
+                     bucket_elements: int | None = None) -> Terms:
+    """ZeRO-3's reduce bucket (`bucket_elements`, None for DeepSpeed's default), allocated with the engine and
+    kept: whole on a GPU; on the host only the pages a backward writes (about one value per trained
+    parameter) become resident."""
     if zero < 3:
         return Terms()
-    touched = REDUCE_BUCKET_ELEMENTS if device == "cuda" else min(trainable, REDUCE_BUCKET_ELEMENTS)
+    bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
+    touched = bucket_elements if device == "cuda" else min(trainable, bucket_elements)
     return Terms(buffers=value_bytes * touched)
 
 

@@ -84,7 +84,11 @@ def test_sft_rm_ppo_pipeline_runs_on_each_plugin(run_bench, zero, precision, lor
     assert ppo["notes"][0].startswith(f"plugin: {expected} = ")
     assert set(ppo["params"]) == {"actor", "critic", "ref", "reward"}
     clip = 0.0 if expected == "ddp" else 1.0  # train_ppo.py's grad_clip 1.0, read back from the ZeRO optimizer
-    assert ppo["engine_knobs"] == {"grad_clip": {"actor": clip, "critic": clip}, "reward_normalize": {"mode": "none"}}
+    assert ppo["engine_knobs"]["grad_clip"] == {"actor": clip, "critic": clip}
+    assert ppo["engine_knobs"]["reward_normalize"] == {"mode": "none"}
+    if expected.startswith("zero"):  # LowLevelZero's own 12 Mi-value bucket; no overlap on the CPU
+        assert ppo["engine_knobs"]["reduce_bucket_size"] == dict.fromkeys(("actor", "critic"), 12 * 2**20)
+        assert ppo["engine_knobs"]["overlap_comm"] == {"actor": False, "critic": False}
     state = ppo["model_state"]
     assert state["ref"]["optimizer_state_bytes_per_rank"] == [0] == state["reward"]["optimizer_state_bytes_per_rank"]
     assert state["actor"]["optimizer_state_bytes_per_rank"][0] > 0

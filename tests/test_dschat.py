@@ -105,9 +105,13 @@ def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
     assert spec["stage"] == "pipeline"
     assert [e["knob"] for e in record["harness_extension"]] == ["framework.optimizer=torch_adamw"]
     # DS-Chat's gradient_clipping 1.0, read back from every trained engine of every step
-    assert [record["stages"][s]["engine_knobs"] for s in ("sft", "rm", "ppo")] == [
-        {"grad_clip": {"actor": 1.0}}, {"grad_clip": {"reward": 1.0}},
-        {"grad_clip": {"actor": 1.0, "critic": 1.0}, "reward_normalize": {"mode": "none"}}]  # the RM score as is
+    knobs = [record["stages"][s]["engine_knobs"] for s in ("sft", "rm", "ppo")]
+    assert [k["grad_clip"] for k in knobs] == [{"actor": 1.0}, {"reward": 1.0}, {"actor": 1.0, "critic": 1.0}]
+    assert knobs[2]["reward_normalize"] == {"mode": "none"}  # the RM score as it is
+    # DeepSpeed's own buckets (DS-Chat sets none); no overlap on a device without streams
+    assert knobs[2]["reduce_bucket_size"] == knobs[2]["allgather_bucket_size"] == dict.fromkeys(
+        ("actor", "critic"), 500_000_000)
+    assert knobs[2]["overlap_comm"] == {"actor": False, "critic": False}
 
 
 def test_compute_fp32_loss_upcasts_the_experience_logits_and_values_but_not_the_new_log_probs(run_bench):

@@ -45,8 +45,8 @@ def test_sft_rm_ppo_pipeline_on_accelerate(run_bench, zero, precision, lora, npr
     assert ("adapters disabled" in reference) if lora != "0" else ("hydra branch" in reference)
     # trlx's yamls clip at 1.0 through DeepSpeed; its DDP path clips nothing (read back from the engine)
     # and scale their rewards by the running std (scale_reward="running", the HH example's)
-    assert ppo["engine_knobs"] == {"grad_clip": {"actor": 0.0 if zero == "0" else 1.0},
-                                   "reward_normalize": {"mode": "running"}}
+    assert ppo["engine_knobs"]["grad_clip"] == {"actor": 0.0 if zero == "0" else 1.0}
+    assert ppo["engine_knobs"]["reward_normalize"] == {"mode": "running"}
     if precision == "fp16":
         assert ppo["stability"]["loss_scale_trajectory"]["actor"], ppo["stability"]
 

@@ -169,7 +169,14 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
                 for role, model in self.models.items()}
 
     def engine_knobs(self) -> dict[str, dict[str, float]]:
-        return {"grad_clip": {role: _clip_of(optimizer) for role, optimizer in self.optimizers.items()}}
+        knobs: dict[str, dict[str, Any]] = {
+            "grad_clip": {role: _clip_of(optimizer) for role, optimizer in self.optimizers.items()}}
+        for knob, attribute in (("reduce_bucket_size", "_reduce_bucket_size"),
+                                ("overlap_comm", "_overlap_communication")):  # ZeRO optimizers only
+            found = {role: _zero_attribute(optimizer, attribute) for role, optimizer in self.optimizers.items()}
+            if any(value is not None for value in found.values()):
+                knobs[knob] = found
+        return knobs
 
     def notes(self) -> list[str]:
         return list(self._notes)
@@ -197,6 +204,15 @@ def _inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
     while hasattr(optimizer, "optim"):  # colossalai's OptimizerWrapper chain
         optimizer = optimizer.optim
     return optimizer
+
+
+def _zero_attribute(optimizer: Any, name: str) -> Any:
+    """An attribute of the LowLevelZero optimizer inside a boosted optimizer's wrappers; None where none is."""
+    while optimizer is not None:
+        if hasattr(optimizer, name):
+            return getattr(optimizer, name)
+        optimizer = getattr(optimizer, "optim", None)
+    return None
 
 
 def _clip_of(optimizer: Any) -> float:

@@ -14,6 +14,7 @@ import torch
 
 from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
+from adapters.comm_knobs import deepspeed_comm
 from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
 
 
@@ -27,9 +28,16 @@ class Engines:
         if self.plugin.cls != "TorchDDPPlugin":
             kwargs.update(precision=self.spec.precision, initial_scale=self.options.initial_scale,
                           max_norm=self.spec.grad_clip_or(self.options.grad_clip))
-        if self.plugin.cls in ("LowLevelZeroPlugin", "HybridParallelPlugin") and self.ctx.device.type == "cpu":
-            # Overlapping ZeRO's reduction records CUDA streams on its buffers; CPU tensors reject that.
-            kwargs["overlap_communication"] = False
+        if self.plugin.cls in ("LowLevelZeroPlugin", "HybridParallelPlugin"):
+            comm = deepspeed_comm(self.spec, self.ctx.device)  # refuses overlap on a device without streams
+            if self.ctx.device.type == "cpu":  # overlapping records CUDA streams on buffers; CPU tensors reject it
+                kwargs["overlap_communication"] = False
+            if "overlap_comm" in comm:
+                kwargs["overlap_communication"] = comm["overlap_comm"]
+            if "reduce_bucket_size" in comm:  # coati counts its bucket in Mi values: the nearest, at least 1
+                low_level = self.plugin.cls == "LowLevelZeroPlugin"
+                bucket = "reduce_bucket_size_in_m" if low_level else "zero_bucket_size_in_m"
+                kwargs[bucket] = max(1, round(comm["reduce_bucket_size"] / 2**20))
         if custom_policy is not None:
             kwargs["custom_policy"] = custom_policy
         return getattr(plugins, self.plugin.cls)(**kwargs)

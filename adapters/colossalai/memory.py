@@ -29,7 +29,16 @@ from bench.plan.run_shape import (
     without_moments,
 )
 
-REDUCE_BUCKET_ELEMENTS = 12_000_000  # LowLevelZeroPlugin(reduce_bucket_size_in_m=12)
+MI = 2**20
+REDUCE_BUCKET_ELEMENTS = 12 * MI  # LowLevelZeroPlugin(reduce_bucket_size_in_m=12): 12 x 1,048,576 values
+
+
+def reduce_bucket_elements(shape: RunShape) -> int:
+    """The plugin's reduce bucket: ds.reduce_bucket_size to the nearest whole Mi values (at least 1), as the
+    adapter hands it to the plugin, else the default."""
+    if shape.reduce_bucket is None:
+        return REDUCE_BUCKET_ELEMENTS
+    return max(1, round(shape.reduce_bucket / MI)) * MI
 
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
@@ -52,7 +61,7 @@ def _gradients(trainable: float, shape: RunShape) -> Terms:
     if not shape.mixed:
         return Terms(grads=4 * trainable)
     half = vb * trainable / (dp if zero >= 2 else 1)
-    bucket = vb * min(trainable, REDUCE_BUCKET_ELEMENTS) if zero >= 1 else 0.0
+    bucket = vb * min(trainable, reduce_bucket_elements(shape)) if zero >= 1 else 0.0
     return Terms(grads=half + 4 * trainable / (dp if zero >= 1 else 1), buffers=bucket)
 
 

@@ -189,6 +189,13 @@ class ColossalOptions:
             )
         if plugin.cls == "GeminiPlugin" and spec.lora:
             raise UnsupportedError("ColossalChat rejects LoRA with Gemini: 'LoRA is not supported in GeminiPlugin'")
+        if spec.ds.allgather_bucket_size is not None:
+            raise UnsupportedError(f"ds.allgather_bucket_size={spec.ds.allgather_bucket_size}: ColossalAI's ZeRO has "
+                                   "no all-gather bucket (its plugins gather each parameter shard whole)")
+        if spec.ds.set_knobs() and not (plugin.cls == "LowLevelZeroPlugin" or plugin.zero_stage > 0):
+            raise UnsupportedError(f"{', '.join(spec.ds.set_knobs())} with plugin={plugin.name} ({plugin.cls}): only "
+                                   "ColossalAI's ZeRO (LowLevelZeroPlugin, HybridParallelPlugin at zero_stage >= 1) "
+                                   "has a reduce bucket and overlapped reduction")
         if plugin.cls == "GeminiPlugin" and spec.precision == "fp32":
             raise UnsupportedError("GeminiPlugin trains in fp16 or bf16 only (precision=fp32 given)")
         if plugin.cls == "HybridParallelPlugin":

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from adapters.base import Adapter, ModelState, RankContext
+from adapters.comm_knobs import deepspeed_comm_knobs
 from adapters.deepspeed_cpu import allow_fp16
 from adapters.deepspeed_state import held_bytes, zero3_masters
 from adapters.dschat import fp16_zero0
@@ -89,7 +90,8 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         # the trained engines: actor and critic in step 3, the one engine of steps 1 and 2 (the eval engines keep
         # a clipping setting too, and DS-Chat leaves their parameters requiring gradients)
         roles = ("actor", "critic") if "critic" in self.engines else tuple(self.engines)
-        return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles}}
+        return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles},
+                **deepspeed_comm_knobs({role: self.engines[role] for role in roles})}
 
     def _trained(self) -> dict[str, Any]:
         return {role: engine for role, engine in self.engines.items() if engine.optimizer is not None}

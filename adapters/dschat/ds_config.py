@@ -23,8 +23,8 @@ def _batch(spec: RunSpec, world_size: int) -> dict[str, Any]:
 
 
 def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap_comm: bool,
-                 hybrid_engine: bool = False) -> dict[str, Any]:
-    """get_train_ds_config: the actor / critic / SFT / RM engines."""
+                 hybrid_engine: bool = False, comm: dict[str, Any] | None = None) -> dict[str, Any]:
+    """get_train_ds_config: the actor / critic / SFT / RM engines; `comm`: the ds.* knobs set."""
     zero: dict[str, Any] = {
         "stage": spec.zero,
         "overlap_comm": overlap_comm,
@@ -33,6 +33,7 @@ def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap
         "stage3_prefetch_bucket_size": 3e7,
         "memory_efficient_linear": False,
     }
+    zero.update(comm or {})
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
         if spec.zero == 3:  # DeepSpeed honours parameter offload only at stage 3

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from adapters.comm_knobs import deepspeed_comm
 from adapters.dschat import ds_config, fp16_zero0
 from adapters.dschat.lora import convert_to_lora, only_optimize_lora
 from adapters.dschat.reward_model import RewardModel
@@ -131,9 +132,10 @@ class Engines:
         return FusedAdam(groups, lr=lr, betas=betas)
 
     def _train_config(self, hybrid_engine: bool = False) -> dict[str, Any]:
-        # Overlapping reduction with backward needs device streams; CPU (gloo) has none.
+        # upstream's get_train_ds_config always overlaps (it runs on GPUs); a device without streams cannot
         overlap = self.ctx.device.type == "cuda"
-        return ds_config.train_config(self.spec, self.options, self.ctx.world_size, overlap, hybrid_engine)
+        return ds_config.train_config(self.spec, self.options, self.ctx.world_size, overlap, hybrid_engine,
+                                      deepspeed_comm(self.spec, self.ctx.device))
 
     def _train_engine(self, model: torch.nn.Module, lr: float, config: dict[str, Any], grad_ckpt: bool):
         if grad_ckpt:

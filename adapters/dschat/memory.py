@@ -44,8 +44,8 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         params, trainable = role_params(shape, role, lora)
         state = role_state(params, trainable, vb, zero, dp, master=True)
         eager = Terms(grads=eager_gradient_bytes(trainable, shape.precision, zero))
-        buffers = resident_buffers(trainable, vb, zero, shape.device)
-        grads = gradient_terms(trainable, vb, zero, dp, shape.precision)
+        buffers = resident_buffers(trainable, vb, zero, shape.device, shape.reduce_bucket)
+        grads = gradient_terms(trainable, vb, zero, dp, shape.precision, shape.reduce_bucket)
         if zero in (1, 2):  # built whole in fp32, then wrapped (measured around deepspeed.initialize)
             during, after = engine_build(params, trainable, vb, zero, dp, shape.mixed)
             return state, grads, peak(build_transient(shape, params), during), after

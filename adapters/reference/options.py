@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from bench.run.spec import RunSpec, SpecError, UnsupportedError, require_data_parallel_only
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, refuse_comm_knobs, require_data_parallel_only
 
 LAYOUTS = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
            3: "FSDP2 fully_shard"}
@@ -65,6 +65,7 @@ class ReferenceOptions:
     def validate(cls, spec: RunSpec) -> ReferenceOptions:
         options = cls.from_dict(spec.framework_options)
         require_data_parallel_only(spec, "the plain-PyTorch reference", "has data parallelism only (DDP, FSDP2)")
+        refuse_comm_knobs(spec, "the plain-PyTorch reference trains through DDP or FSDP2, not DeepSpeed")
         if spec.offload:
             raise UnsupportedError("offload=true: the plain-PyTorch reference has no CPU offload (FSDP2's "
                                    "CPUOffloadPolicy would be a different memory layout than the engines' offload)")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter, ModelState, RankContext
+from adapters.comm_knobs import deepspeed_comm, deepspeed_comm_knobs
 from adapters.deepspeed_cpu import allow_fp16
 from adapters.deepspeed_state import held_bytes, zero3_masters
 from adapters.state_bytes import model_state
@@ -67,6 +68,8 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
                                      gradient_clipping=spec.grad_clip_or(UPSTREAM_CLIP),
                                      zero3_init_flag=False, zero3_save_16bit_model=spec.zero == 3)
             plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = spec.batch
+            # ds.* where set (trlx's accelerate yamls set none: DeepSpeed's defaults)
+            plugin.deepspeed_config["zero_optimization"].update(deepspeed_comm(spec, ctx.device))
             if spec.precision == "fp16":  # trlx PR #279: DeepSpeed's fp16 autocast broke its forward
                 plugin.deepspeed_config["fp16"] = {"enabled": True, "auto_cast": False}
         on_cpu = ctx.device.type == "cpu"
@@ -182,8 +185,10 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         """DeepSpeed's own clipping, read from the engine; under DDP the update's own clip (0: none, as trlx)."""
         if self.model is None:
             return {}
-        clip = float(self.model.gradient_clipping()) if self.deepspeed else float(self.spec.grad_clip or 0.0)
-        return {"grad_clip": {self.role: clip}}
+        if not self.deepspeed:  # the update's own clip (0: none, as trlx)
+            return {"grad_clip": {self.role: float(self.spec.grad_clip or 0.0)}}
+        return {"grad_clip": {self.role: float(self.model.gradient_clipping())},
+                **deepspeed_comm_knobs({self.role: self.model})}
 
     def notes(self) -> list[str]:
         return list(self._notes)

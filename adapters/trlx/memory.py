@@ -72,9 +72,10 @@ def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Te
         state = role_state(params, trainable, 4, 0, dp, master=False)
         autocast_copies = 2 * params if shape.mixed else 0.0
         return state, Terms(grads=4 * trainable, buffers=4 * trainable + autocast_copies)
+    bucket = shape.reduce_bucket
     state = role_state(params, trainable, vb, zero, dp, master=True) + resident_buffers(trainable, vb, zero,
-                                                                                         shape.device)
-    return state, gradient_terms(trainable, vb, zero, dp, shape.precision)
+                                                                                         shape.device, bucket)
+    return state, gradient_terms(trainable, vb, zero, dp, shape.precision, bucket)
 
 
 def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:

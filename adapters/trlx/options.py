@@ -12,6 +12,7 @@ from bench.run.spec import (
     checkpoint_extensions,
     normalize_extensions,
     quant_extensions,
+    refuse_comm_knobs,
     require_data_parallel_only,
 )
 
@@ -117,6 +118,8 @@ class TrlxOptions:
         options = cls.from_dict(spec.framework_options)
         require_data_parallel_only(spec, "trlx", "accelerate trainers have no tensor or pipeline parallelism; only "
                                    "its NeMo trainers do")
+        if spec.zero == 0:
+            refuse_comm_knobs(spec, "trlx at zero=0 trains through accelerate's DDP, not DeepSpeed")
         mode = options.reference_mode(spec.lora)
         if mode == "peft" and not spec.lora:
             raise UnsupportedError("framework.reference=peft needs lora > 0: the reference is the policy with its "

@@ -43,6 +43,7 @@ class RunShape:
     dropout: float = 0.0  # the model's dropout; each framework says which roles train with it
     quant: tuple[tuple[str, str], ...] = ()  # (frozen role, none | int8 | nf4): reference.quant, reward.quant
     quant_library: str = "torchao"
+    reduce_bucket: int | None = None  # ds.reduce_bucket_size (values); None: each engine's default
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
 
     @classmethod
@@ -55,7 +56,7 @@ class RunShape:
                    data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
                    device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)),
-                   quant_library=spec.quant_library)
+                   quant_library=spec.quant_library, reduce_bucket=spec.ds.reduce_bucket_size)
 
     @property
     def value_bytes(self) -> int:

@@ -17,7 +17,15 @@ from typing import Any
 from bench.measure.trend import soak_trends
 from bench.results.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
 from bench.run.launcher import launch_stage, remove_torn_writes
-from bench.run.spec import CheckpointSpec, DebugSpec, FrozenRoleSpec, LauncherSpec, RewardSpec, RunSpec
+from bench.run.spec import (
+    CheckpointSpec,
+    CommSpec,
+    DebugSpec,
+    FrozenRoleSpec,
+    LauncherSpec,
+    RewardSpec,
+    RunSpec,
+)
 from bench.run.sweep import read_record
 
 log = logging.getLogger(__name__)
@@ -30,7 +38,7 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     return spec.replace(
         stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, grad_clip=None, lr=None,
         plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(), checkpoint=CheckpointSpec(), resume=False,
-        reference=FrozenRoleSpec(), reward=RewardSpec(),
+        reference=FrozenRoleSpec(), reward=RewardSpec(), ds=CommSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )

@@ -71,6 +71,12 @@ def quant_extensions(spec: RunSpec, framework: str) -> list[dict[str, str]]:
             for role in ("reference", "reward") if getattr(spec, role).quant != "none"]
 
 
+def refuse_comm_knobs(spec: RunSpec, why: str) -> None:
+    """Any ds.* knob set for an engine that has none: the error names them and says why."""
+    if spec.ds.set_knobs():
+        raise UnsupportedError(f"{', '.join(f'{k}={v}' for k, v in spec.ds.set_knobs().items())}: {why}")
+
+
 def normalize_extensions(spec: RunSpec, framework: str, upstream: tuple[str, ...] = ("none",)
                          ) -> list[dict[str, str]]:
     """reward.normalize beyond what the framework offers (`upstream`; adapters/reward_norm.py)."""
@@ -193,6 +199,27 @@ STEP_PHASES = ("generation", "experience", "training", "onload", "offload")
 
 
 @dataclass(frozen=True)
+class CommSpec:
+    """DeepSpeed's ZeRO communication knobs (config group `ds`); None keeps each framework's own setting.
+    Bucket sizes count values (elements), as DeepSpeed's config does."""
+
+    allgather_bucket_size: int | None = None
+    reduce_bucket_size: int | None = None
+    overlap_comm: bool | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("allgather_bucket_size", "reduce_bucket_size"):
+            if getattr(self, name) is not None:
+                _int(f"ds.{name}", getattr(self, name), 1)
+        if self.overlap_comm is not None:
+            _bool("ds.overlap_comm", self.overlap_comm)
+
+    def set_knobs(self) -> dict[str, int | bool]:
+        """The knobs the config sets, by their config names (ds.*)."""
+        return {f"ds.{k}": v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclass(frozen=True)
 class DebugSpec:
     """Test-only knobs: a planted leak keeps `leak_mib_per_step` MiB alive per step in `leak_phase`, so that a
     test can check that a soak run finds it, in the right phase, at the right slope."""
@@ -290,6 +317,7 @@ class RunSpec:
     memory_release_every: int | None = None  # None: every run in a soak (its figure is per step), else 4
     preflight: str = "off"  # on: refuse a run predicted not to fit; shrink: halve the batch until it fits
     debug: DebugSpec = field(default_factory=DebugSpec)
+    ds: CommSpec = field(default_factory=CommSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     resume: bool = False
     init: InitSpec = field(default_factory=InitSpec)
@@ -419,6 +447,7 @@ class RunSpec:
         data["stability"] = StabilitySpec(**data.get("stability") or {})
         data["tags"] = tuple(data.get("tags") or ())
         data["debug"] = DebugSpec(**data.get("debug") or {})
+        data["ds"] = CommSpec(**data.get("ds") or {})
         data["checkpoint"] = CheckpointSpec(**data.get("checkpoint") or {})
         data["reference"] = FrozenRoleSpec(**data.get("reference") or {})
         data["reward"] = RewardSpec(**data.get("reward") or {})
@@ -469,6 +498,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         memory_release_every=cfg.get("memory_release_every"),
         preflight=cfg.get("preflight", "off"),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
+        ds=CommSpec(**dict(cfg.get("ds") or {})),
         checkpoint=CheckpointSpec(every=(cfg.get("checkpoint") or {}).get("every", 0),
                                   background=(cfg.get("checkpoint") or {}).get("async", False)),
         resume=cfg.get("resume", False),
