@@ -11,6 +11,9 @@
 #      actually saves memory
 #   K  B10's accuracy: the torchao pairs on the tiny model for 120 PPO steps (the reward and KL curves; the
 #      claims check judges curves of 100+ steps), 1 rank
+#   C  A14, DeepSpeed's all-gather bucket: DS-Chat SFT at glm-base, ZeRO-2 bf16, 2 ranks, allgather_bucket_size
+#      5e8 against 5e7 (smaller than a rank's ~62 M-parameter partition, so the gather is split; at 5e8 it is
+#      one call), the training phase's time per step
 #   N  A13, z-score reward normalisation: reward.normalize=zscore against none, the tiny model for 120 PPO
 #      steps, 1 rank, 3 seeds (the steps until the preferred-token share covers 90 % of its rise)
 #
@@ -21,7 +24,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 name=claims
 sweep_dir=results/sweeps/$name
-blocks=${BLOCKS:-Q K N}
+blocks=${BLOCKS:-Q K N C}
 seeds=${SEEDS:-1,2,3}
 common=(sweep_name=$name launcher.timeout_s=3600)
 glm_base=(model=glm-base launcher.nproc=2 prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
@@ -43,9 +46,11 @@ for block in $blocks; do
          sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
            zero=2 lora=0 seed=$seeds reference.quant=$quant reward.quant=$quant "${extra[@]}"
        done ;;
+    C) sweep "${glm_base[@]}" framework=dschat stage=sft steps=6 precision=bf16 zero=2 lora=0 seed=$seeds \
+         ds.allgather_bucket_size=50000000,500000000 ;;
     N) sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
          zero=2 lora=0 seed=$seeds reward.normalize=none,zscore ;;
-    *) echo "unknown block $block (known: Q B K N)" >&2; exit 2 ;;
+    *) echo "unknown block $block (known: Q B K N C)" >&2; exit 2 ;;
   esac
 done
 .venv/bin/python -m bench.report "$sweep_dir"

@@ -39,6 +39,10 @@ def test_engines_without_the_knob_refuse_it(overrides: list[str], message: str) 
         _spec(*overrides)
 
 
+def test_bucket_sizes_may_be_written_as_deepspeed_writes_them() -> None:
+    assert _spec("ds.allgather_bucket_size=5e8").ds.allgather_bucket_size == 500_000_000
+
+
 def test_ds_chat_hands_only_the_set_knobs_to_zero_optimization() -> None:
     spec = _spec("framework=dschat", "zero=2", "ds.reduce_bucket_size=100000")
     options = DSChatOptions.validate(spec)

@@ -381,3 +381,18 @@ def test_zscore_convergence_claim_reads_medians_over_three_seeds(tmp_path, zscor
 def test_zscore_convergence_needs_three_seeds_a_cell(tmp_path):
     got, evidence = _verdict(_convergence_runs(tmp_path, {"zscore": [30, 35], "none": [70, 80]}), "A13")
     assert got == NOT_MEASURED and "3+ seeds" in evidence
+
+
+@pytest.mark.parametrize("times_5e8, times_5e7, verdict", [
+    ([8.0, 8.2, 8.4], [10.0, 10.1, 10.3], SUPPORTED),  # lower beyond the spread
+    ([8.0, 9.0, 10.0], [9.5, 10.1, 10.3], CONTRADICTED),  # ranges touch
+])
+def test_allgather_bucket_claim_compares_training_steps(tmp_path, times_5e8, times_5e7, verdict):
+    runs = {}
+    for bucket, times in ((500_000_000, times_5e8), (50_000_000, times_5e7)):
+        for seed, t in enumerate(times):
+            name = f"b{bucket}s{seed}"
+            runs[name] = record(config(seed=seed, **{"ds": {"allgather_bucket_size": bucket}}), run_id=name, step_s=t)
+    got, evidence = _verdict(_collect(tmp_path, runs), "A14")
+    assert got == verdict, evidence
+    assert "at 5e+07" in evidence

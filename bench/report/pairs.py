@@ -27,6 +27,7 @@ KNOBS: dict[str, Callable[[str], bool]] = {
     "precision": lambda key: key == "precision",
     "quant": lambda key: key in ("reference.quant", "reward.quant", "quant_library"),
     "normalize": lambda key: key == "reward.normalize",
+    "allgather_bucket": lambda key: key == "ds.allgather_bucket_size",
 }
 
 

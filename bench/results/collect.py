@@ -33,7 +33,8 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "debug.leak_phase": "training", "checkpoint.every": 0, "checkpoint.async": False, "resume": False,
               "reference.quant": "none", "reward.quant": "none", "grad_clip": None,
               "quant_library": "bitsandbytes",  # the only library before the key existed
-              "reward.normalize": None}
+              "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
+              "ds.overlap_comm": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -115,6 +116,7 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "grad_ckpt": config.get("grad_ckpt"),
         "quant": _quant(config),
         "normalize": (config.get("reward") or {}).get("normalize") or "upstream",
+        "allgather_bucket": (config.get("ds") or {}).get("allgather_bucket_size") or "default",
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
         # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
         "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,

@@ -209,6 +209,9 @@ class CommSpec:
 
     def __post_init__(self) -> None:
         for name in ("allgather_bucket_size", "reduce_bucket_size"):
+            value = getattr(self, name)
+            if isinstance(value, float) and value.is_integer():  # 5e8, as DeepSpeed's own configs write it
+                object.__setattr__(self, name, int(value))
             if getattr(self, name) is not None:
                 _int(f"ds.{name}", getattr(self, name), 1)
         if self.overlap_comm is not None:
