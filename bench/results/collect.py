@@ -116,7 +116,7 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "grad_ckpt": config.get("grad_ckpt"),
         "quant": _quant(config),
         "normalize": (config.get("reward") or {}).get("normalize") or "upstream",
-        "allgather_bucket": (config.get("ds") or {}).get("allgather_bucket_size") or "default",
+        "allgather_bucket": (config.get("ds") or {}).get("allgather_bucket_size"),  # None: the engine default
         "reference": _trlx_reference(config) if framework.get("name") == "trlx" else None,
         # an opt-in fix of an upstream defect changes what runs: such runs never pool with upstream's
         "upstream_fix": "fp16-zero0-loss-scale" if framework.get("fix_fp16_zero0_loss_scale") else None,
