@@ -257,6 +257,16 @@ class Adapter(ABC):
         knob and trained role: `grad_clip` (0 = no clipping)."""
         return {}
 
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        """The models this stage trains, by role (engine wrappers are fine: only their module tree is read)."""
+        return {}
+
+    def lora_knobs(self) -> dict[str, dict[str, Any]]:
+        """lora_targets and lora_alpha as the built models carry them (adapters.lora_targets.lora_layout)."""
+        from adapters.lora_targets import lora_layout
+
+        return lora_layout(self.trained_modules()) if self.spec.lora else {}
+
     def quantized_roles(self) -> dict[str, dict[str, Any]]:
         """Per frozen role held in 8 or 4 bits on this rank (reference.quant, reward.quant): what
         adapters.quantize.quantize_role measured."""

@@ -16,6 +16,9 @@
 #      one call), the training phase's time per step
 #   N  A13, z-score reward normalisation: reward.normalize=zscore against none, the tiny model for 120 PPO
 #      steps, 1 rank, 3 seeds (the steps until the preferred-token share covers 90 % of its rise)
+#   L  A15, LoRA practice: the tiny model, SFT and RM for 40 steps, 1 rank, LoRA rank 16, 3 seeds: lora_targets
+#      qkv against all (each framework's default alpha), and at qkv lora_alpha 8 (rank / 2) against the default
+#      (the quality figures: SFT's final loss, the RM's held-out accuracy; the trainable parameters)
 #
 # Runs land in results/sweeps/claims (re-running resumes); the report is rebuilt at the end. `BLOCKS=Q` runs
 # only those blocks, `SEEDS=1,2` narrows the repeats.
@@ -24,7 +27,7 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 name=claims
 sweep_dir=results/sweeps/$name
-blocks=${BLOCKS:-Q K N C}
+blocks=${BLOCKS:-Q K N C L}
 seeds=${SEEDS:-1,2,3}
 common=(sweep_name=$name launcher.timeout_s=3600)
 glm_base=(model=glm-base launcher.nproc=2 prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
@@ -50,7 +53,11 @@ for block in $blocks; do
          ds.allgather_bucket_size=50000000,500000000 ;;
     N) sweep model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=ppo steps=120 precision=bf16 \
          zero=2 lora=0 seed=$seeds reward.normalize=none,zscore ;;
-    *) echo "unknown block $block (known: Q B K N C)" >&2; exit 2 ;;
+    L) lora=(model=tiny launcher.nproc=1 framework=dschat,colossalai,trlx stage=sft,rm steps=40 precision=bf16 zero=2
+             lora=16 seed=$seeds)
+       sweep "${lora[@]}" lora_targets=qkv,all
+       sweep "${lora[@]}" lora_targets=qkv lora_alpha=8 ;;
+    *) echo "unknown block $block (known: Q B K N C L)" >&2; exit 2 ;;
   esac
 done
 .venv/bin/python -m bench.report "$sweep_dir"

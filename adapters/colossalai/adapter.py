@@ -168,6 +168,9 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {role: model_state(model.parameters(), _inner_optimizer(self.optimizers.get(role)))
                 for role, model in self.models.items()}
 
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        return {role: self.models[role] for role in self.optimizers}
+
     def engine_knobs(self) -> dict[str, dict[str, float]]:
         knobs: dict[str, dict[str, Any]] = {
             "grad_clip": {role: _clip_of(optimizer) for role, optimizer in self.optimizers.items()}}

@@ -8,6 +8,7 @@ whose policy is the backbone's. Dropout is disabled in actor and critic, as trai
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
 from adapters.comm_knobs import deepspeed_comm
+from adapters.lora_targets import suffixes
 from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
 
 
@@ -72,15 +74,19 @@ class Engines:
     def _lora(self, model: torch.nn.Module) -> None:
         if not self.spec.lora:
             return
-        if self.plugin.cls == "HybridParallelPlugin":
+        targets = self.spec.lora_target_set
+        options = replace(self.options.lora, alpha=self.spec.lora_alpha_or(self.options.lora.alpha))
+        if targets is not None:  # LoraConfig.target_modules: matched by coati's own rule (lora.matched_layers)
+            convert_to_lora(model, self.spec.lora, options, target_modules=suffixes(targets))
+        elif self.plugin.cls == "HybridParallelPlugin":
             # Shardformer swaps the embeddings and LM head for its padded versions and cannot swap a
             # LoRA-wrapped one ("Failed to replace wte of type LoraEmbedding"; coati users hit the same, #5507).
-            convert_to_lora(model, self.spec.lora, self.options.lora, embeddings=False, skip=("lm_head",))
+            convert_to_lora(model, self.spec.lora, options, embeddings=False, skip=("lm_head",))
             note = "LoRA under HybridParallelPlugin: every linear layer but the LM head; embeddings stay frozen"
             if note not in self._notes:
                 self._notes.append(note)
         else:
-            convert_to_lora(model, self.spec.lora, self.options.lora)
+            convert_to_lora(model, self.spec.lora, options)
 
     def _boost(self, role: str, model: torch.nn.Module, lr: float | None, plugin: Any) -> None:
         self._counts[role] = count_params(model)

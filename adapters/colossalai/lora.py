@@ -8,6 +8,10 @@ train_bias="all"), then replaces each layer:
   "all" or "lora" it is kept and trainable, and a layer without one gets a fresh zero bias. A, kaiming-
   uniform; B, zero; scaling alpha / r.
 - Embedding: LoraEmbedding with the config's alpha and embedding dropout; A zero, B normal.
+With `target_modules` (the common `lora_targets`) a child is converted only when its own name is a substring
+of one of them (`name in target_module`): on GPT-2's names the attention output and the MLP output are
+both `c_proj`, so naming either converts both (lora_match.matched_layers); the value head and embeddings, named by
+no target, are not converted and, frozen first, do not train.
 coati converts `nn.Linear` only; GPT-2 stores its block projections as transformers' Conv1D (the same
 linear map with a transposed weight), so Conv1D is converted too -- on a Llama-style model the converted
 set is exactly coati's. Weights are never merged in PPO (coati sets able_to_merge=False), so the base
@@ -85,16 +89,19 @@ def _lora_module(child: nn.Module, rank: int, options: LoraOptions, embeddings: 
 
 
 def convert_to_lora(model: nn.Module, rank: int, options: LoraOptions, embeddings: bool = True,
-                    skip: tuple[str, ...] = ()) -> int:
+                    skip: tuple[str, ...] = (), target_modules: list[str] | None = None) -> int:
     """convert_to_lora_module in place: freeze everything (biases stay trainable with train_bias="all"),
     then wrap every linear/Conv1D (and embedding, unless `embeddings` is false) except children named in
-    `skip`. Returns how many were converted."""
+    `skip`, and with `target_modules` only children whose name is a substring of one of them (coati's
+    rule). Returns how many were converted."""
     for name, param in model.named_parameters():
         param.requires_grad_(options.train_bias == "all" and "bias" in name)
     converted = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, (LoraLinear, LoraEmbedding)) or name in skip:
+                continue
+            if target_modules is not None and not any(name in target for target in target_modules):
                 continue
             wrapped = _lora_module(child, rank, options, embeddings)
             if wrapped is not None:

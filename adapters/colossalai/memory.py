@@ -10,13 +10,15 @@ no KV cache; the update runs the actor's backward, then the critic's forward and
 after, so the actor's gradients are alive through the critic's pass. The booster's plugins: data parallel
 with AMP (`3d` at tp = pp = 1) at ZeRO-0 keeps whole fp32 master weights and moments and casts its half
 gradients to fp32 at the step; LowLevelZero (ZeRO-1/2) partitions them and reduces through a 12 M-element
-bucket. LoRA (coati's own) wraps the block linears, the embeddings, the LM head and the value head, drops
-the wrapped linears' biases and trains only the LoRA weights.
+bucket. LoRA (coati's own) wraps the block linears, the embeddings, the LM head and the value head (with
+lora_targets: the block linears coati's name rule matches, nothing else), drops the wrapped linears' biases
+and trains only the LoRA weights.
 """
 
 from __future__ import annotations
 
-from bench.plan.physics import Terms, peak, total
+from adapters.colossalai.lora_match import matched_layers
+from bench.plan.physics import LINEAR_INPUTS, LORA_LAYERS, Terms, lora_linear_inputs, peak, total
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
@@ -49,10 +51,21 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     params = arch.total_params + (h + 1 if head else 0)
     if not lora:
         return params, params
+    if shape.lora_targets is not None:  # target_modules: the matched block linears only, their biases dropped
+        layers = matched_layers(shape.lora_targets)
+        added = arch.lora_params(lora, layers)
+        return params + added - h * arch.layers * sum(LORA_LAYERS[t][1] for t in layers), added
     added = arch.lora_params(lora) + lora * (arch.vocab + h) + lora * (arch.positions + h)
     added += lora * (h + 1) if head else lora * (h + arch.vocab)
     dropped_biases = 9 * h * arch.layers + (1 if head else 0)
     return params + added - dropped_biases, added
+
+
+def _linear_inputs(shape: RunShape) -> int:
+    """What the block linears keep for gradients: all carry LoRA by default (7 h), else the matched ones."""
+    if not shape.lora or shape.lora_targets is None:
+        return LINEAR_INPUTS
+    return lora_linear_inputs(matched_layers(shape.lora_targets))
 
 
 def _gradients(trainable: float, shape: RunShape) -> Terms:
@@ -84,9 +97,11 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         params, trainable = role_params(shape, role, shape.lora)
         init = peak(before_first_step(state, trainable), build_transient(shape, params))
         if shape.stage == "sft":
-            work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True)
+            work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True,
+                                    linear_inputs=_linear_inputs(shape))
         else:
-            work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True)
+            work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True,
+                                    linear_inputs=_linear_inputs(shape))
         phases = {"init": init, "training": state + grads + work}
         if shape.stage == "rm":
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
@@ -103,8 +118,9 @@ def predict(shape: RunShape) -> dict[str, Terms]:
             + before_first_step(critic, role_params(shape, "critic", shape.lora)[1])
             + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0], vb) + build_transient(shape, reward_params))
     # the critic's pass with the actor's gradients still alive (both step after it)
-    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq)
-    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4)
+    inputs = _linear_inputs(shape)
+    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq, linear_inputs=inputs)
+    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4, linear_inputs=inputs)
     heavier = update if update.device >= actor_pass.device else actor_pass
     return {
         "init": init,

@@ -93,6 +93,9 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles},
                 **deepspeed_comm_knobs({role: self.engines[role] for role in roles})}
 
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        return {role: engine.module for role, engine in self._trained().items()}
+
     def _trained(self) -> dict[str, Any]:
         return {role: engine for role, engine in self.engines.items() if engine.optimizer is not None}
 

@@ -4,14 +4,15 @@ Roles and lifetimes follow the fidelity table (README): SFT trains the actor, RM
 head on the trunk, chosen and rejected sequences in one batch); PPO keeps four DeepSpeed engines (actor and
 critic trained, reference and reward eval-only, ZeRO-3 only when the trained ones use it). In experience
 making the actor's and the reference's outputs (logits and KV caches) stay alive through the reward and
-critic forwards; log-probs are taken in the model's dtype. LoRA wraps every block linear (alpha 1): only the
-wrapped weights freeze, biases and unconverted parameters train.
+critic forwards; log-probs are taken in the model's dtype. LoRA wraps every block linear (alpha 1) or those
+lora_targets names: only the wrapped weights freeze, biases and unconverted parameters train, so every linear
+map keeps its input for a gradient whatever the targets.
 """
 
 from __future__ import annotations
 
 from adapters.deepspeed_memory import eager_gradient_bytes, engine_build, gradient_terms, resident_buffers
-from bench.plan.physics import Terms, peak
+from bench.plan.physics import ALL_LORA_LAYERS, Terms, peak
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
@@ -26,13 +27,15 @@ from bench.plan.run_shape import (
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     """(total, trainable) parameters of a role: the trunk (+ a bias-free value head for critic and reward);
-    LoRA adds 16*r*h per block and freezes the wrapped 12*h^2 per block."""
+    LoRA on the target layers (lora_targets; DS-Chat's "h." default: all four) adds r*(d_in + d_out) each and
+    freezes only their weights (16*r*h and 12*h^2 per block for all four): the rest keeps training."""
     arch = shape.arch
     params = arch.total_params + (arch.hidden if role in ("critic", "reward") else 0)
     if not lora:
         return params, params
-    added = arch.lora_params(lora)
-    return params + added, params + added - 12 * arch.hidden ** 2 * arch.layers
+    targets = shape.lora_targets or ALL_LORA_LAYERS
+    added = arch.lora_params(lora, targets)
+    return params + added, params + added - arch.block_weights(targets)
 
 
 def predict(shape: RunShape) -> dict[str, Terms]:

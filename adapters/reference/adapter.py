@@ -53,7 +53,8 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
             state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         else:
             state = module.state_dict()
-        return fold_lora(state, self.options.lora_alpha / self.spec.lora if self.spec.lora else 0.0)
+        alpha = self.spec.lora_alpha_or(self.options.lora_alpha)
+        return fold_lora(state, alpha / self.spec.lora if self.spec.lora else 0.0)
 
     def save(self, stage: str, directory: str) -> str:
         role = "reward" if stage == "rm" else "actor"
@@ -74,6 +75,9 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {role: model_state(module.parameters(), getattr(self.optimizers.get(role), "optim",
                                                                 self.optimizers.get(role)))
                 for role, module in self.modules.items()}
+
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        return {role: self.modules[role] for role in self.optimizers}
 
     def engine_knobs(self) -> dict[str, dict[str, float]]:
         clip = float(self.spec.grad_clip_or(self.options.grad_clip))  # what update.py's clip_grad_norm_ gets

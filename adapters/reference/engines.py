@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
+from adapters.lora_targets import suffixes
 from adapters.reference.models import ValueModel, end_scores
 from adapters.rl_math import position_ids
 from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params, set_dropout
-
-LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]  # GPT-2's Conv1D projections (attention, its output, the MLP)
+from bench.run.spec import LORA_TARGET_NAMES
 
 
 class Engines:
@@ -74,8 +74,9 @@ class Engines:
             return
         from peft import LoraConfig, inject_adapter_in_model
 
-        config = LoraConfig(r=self.spec.lora, lora_alpha=self.options.lora_alpha, lora_dropout=0.0,
-                            target_modules=LORA_TARGETS, fan_in_fan_out=True)
+        config = LoraConfig(r=self.spec.lora, lora_alpha=self.spec.lora_alpha_or(self.options.lora_alpha),
+                            lora_dropout=0.0, target_modules=suffixes(self.spec.lora_target_set or LORA_TARGET_NAMES),
+                            fan_in_fan_out=True)
         inject_adapter_in_model(config, model)
         for name, param in model.named_parameters():
             param.requires_grad_("lora_" in name or name.startswith("value_head."))

@@ -181,6 +181,9 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         scale = self.options.ppo.scale_reward
         return "none" if scale == "ignored" else scale
 
+    def trained_modules(self) -> dict[str, torch.nn.Module]:
+        return {self.role: self.model} if self.model is not None else {}
+
     def engine_knobs(self) -> dict[str, dict[str, float]]:
         """DeepSpeed's own clipping, read from the engine; under DDP the update's own clip (0: none, as trlx)."""
         if self.model is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from adapters.lora_targets import suffixes
 from adapters.state_bytes import tensor_bytes
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
 from bench.measure.params import ParamCounts
@@ -29,12 +30,14 @@ class Engines:
         return model.eval()
 
     def _peft(self, model: torch.nn.Module, task_type: str | None = "CAUSAL_LM") -> torch.nn.Module:
-        """peft LoRA with peft's per-architecture target modules (GPT-2: c_attn), as trlx's peft_config."""
+        """peft LoRA with peft's per-architecture target modules (GPT-2: c_attn), as trlx's peft_config; the
+        common lora_targets / lora_alpha fill the peft_config's target_modules / lora_alpha."""
         from peft import LoraConfig, get_peft_model
 
-        config = LoraConfig(r=self.spec.lora, lora_alpha=self.options.lora.alpha,
+        targets = self.spec.lora_target_set
+        config = LoraConfig(r=self.spec.lora, lora_alpha=self.spec.lora_alpha_or(self.options.lora.alpha),
                             lora_dropout=self.options.lora.dropout, task_type=task_type,
-                            target_modules=None if task_type else ["c_attn"])
+                            target_modules=suffixes(targets) if targets else None if task_type else ["c_attn"])
         return get_peft_model(model, config)
 
     def _prepare(self, role: str, model: torch.nn.Module, lr: float) -> None:

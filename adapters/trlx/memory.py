@@ -16,7 +16,7 @@ over the whole rollout.
 from __future__ import annotations
 
 from adapters.deepspeed_memory import engine_build, gradient_terms, resident_buffers
-from bench.plan.physics import Terms, peak
+from bench.plan.physics import LINEAR_INPUTS, Terms, lora_linear_inputs, peak
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
@@ -43,21 +43,32 @@ def _unfrozen(shape: RunShape, key: str, default: float) -> int:
     return layers if value < 0 else min(value, layers)
 
 
+def _targets(shape: RunShape) -> tuple[str, ...]:
+    """The block layers peft adapts: lora_targets, else peft's GPT-2 default (c_attn, the qkv projection)."""
+    return shape.lora_targets or ("qkv",)
+
+
+def _linear_inputs(shape: RunShape) -> int:
+    """What the block linears keep for gradients: all four train without LoRA (7 h), else the adapted ones."""
+    return lora_linear_inputs(_targets(shape)) if shape.lora else LINEAR_INPUTS
+
+
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     """(total, trainable) parameters of the one trained model of a stage."""
     arch = shape.arch
     h = arch.hidden
     base = arch.total_params
+    adapters = arch.lora_params(lora, _targets(shape))
     if role == "sft":
-        return (base + arch.lora_params(lora) // 4, arch.lora_params(lora) // 4) if lora else (base, base)
+        return (base + adapters, adapters) if lora else (base, base)
     if role == "rm":
         if lora:
-            return base + h + arch.lora_params(lora) // 4, arch.lora_params(lora) // 4 + h
+            return base + h + adapters, adapters + h
         top = _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
         return base + h, top * arch.layer_params + 2 * h + arch.embedding_params + h
     value_head = 2 * h * h + 2 * h + 2 * h + 1
-    if lora:  # peft on c_attn: r * (h + 3h) per block; the reference is the same model, adapters off
-        added = arch.lora_params(lora) // 4 + value_head
+    if lora:  # peft on its targets (c_attn: r * (h + 3h) per block); the reference: the same model, adapters off
+        added = adapters + value_head
         return base + added, added
     top = _unfrozen(shape, "num_layers_unfrozen", 2)
     branch = top * arch.layer_params + 2 * h + arch.vocab * h
@@ -106,12 +117,12 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         init = peak(at_init, build_transient(shape, params))
     if role == "sft":
         work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape),
-                                linear_inputs=7 if not shape.lora else 1)
+                                linear_inputs=_linear_inputs(shape))
         return {"init": init, "training": state + grads + work}
     if role == "rm":
         frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
         work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True, frozen_layers=frozen,
-                                linear_inputs=7 if not shape.lora else 1)
+                                linear_inputs=_linear_inputs(shape))
         return {"init": init, "training": state + grads + work,
                 "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
     rm_params = shape.arch.total_params + shape.arch.hidden
@@ -126,7 +137,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     hidden_states = Terms(activations=2 * (shape.arch.layers + 1) * shape.batch * seq * shape.arch.hidden * vb)
     frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "num_layers_unfrozen", 2)
     work = forward_backward(shape, shape.batch, seq, logits_copies=logits_out + 3, frozen_layers=frozen,
-                            linear_inputs=1 if shape.lora else 7)
+                            linear_inputs=_linear_inputs(shape))
     return {
         "init": init,
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),

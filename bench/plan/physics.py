@@ -21,6 +21,16 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[dtype]
 
 
+# A block's linear maps by their lora_targets names: (input, output) width in hidden sizes
+LORA_LAYERS = {"qkv": (1, 3), "attn_out": (1, 1), "mlp_in": (1, 4), "mlp_out": (4, 1)}
+ALL_LORA_LAYERS = tuple(LORA_LAYERS)
+
+
+def lora_linear_inputs(targets: tuple[str, ...]) -> int:
+    """h-values per token that the `targets` maps save for their weight (or LoRA) gradients: 7 for all four."""
+    return sum(LORA_LAYERS[t][0] for t in targets)
+
+
 @dataclass(frozen=True)
 class Arch:
     """The shape of a GPT-2/GLM-style causal LM."""
@@ -61,12 +71,16 @@ class Arch:
         or the MLP's 4h x h matrix in a model with a small vocabulary."""
         return max(self.vocab * self.hidden, 4 * self.hidden * self.hidden + 4 * self.hidden)
 
-    def lora_params(self, rank: int) -> int:
-        """LoRA A and B on the four linear maps of each block: r*(h + 3h) + r*(h + h) + r*(h + 4h) + r*(4h + h)
-        = 16*r*h per layer."""
+    def lora_params(self, rank: int, targets: tuple[str, ...] = ALL_LORA_LAYERS) -> int:
+        """LoRA A and B on the `targets` linear maps of each block, r*(d_in + d_out) each: all four give
+        r*(h + 3h) + r*(h + h) + r*(h + 4h) + r*(4h + h) = 16*r*h per layer."""
         if rank < 0:
             raise ValueError(f"lora rank={rank} must be >= 0")
-        return 16 * rank * self.hidden * self.layers
+        return rank * self.hidden * self.layers * sum(sum(LORA_LAYERS[t]) for t in targets)
+
+    def block_weights(self, targets: tuple[str, ...] = ALL_LORA_LAYERS) -> int:
+        """The weights (no biases) of the `targets` linear maps over all blocks: all four give 12*h^2 per layer."""
+        return self.hidden ** 2 * self.layers * sum(d_in * d_out for d_in, d_out in (LORA_LAYERS[t] for t in targets))
 
 
 @dataclass(frozen=True)
@@ -125,7 +139,8 @@ def layer_activation_bytes(arch: Arch, batch: int, seq: int, tp: int = 1, recomp
     return sbh * (10 + 24 / tp + 5 * arch.heads * seq / (arch.hidden * tp)) * scale
 
 
-LINEAR_INPUTS = 7  # h-values per token the four linear maps of a block save to form their weight gradients
+LINEAR_INPUTS = lora_linear_inputs(ALL_LORA_LAYERS)  # 7: h-values per token the four linear maps of a block save
+# to form their weight gradients
 
 
 def standin_layer_bytes(arch: Arch, batch: int, seq: int, bytes_per_value: int = 2, dropout: bool = False,

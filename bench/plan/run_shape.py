@@ -44,6 +44,7 @@ class RunShape:
     quant: tuple[tuple[str, str], ...] = ()  # (frozen role, none | int8 | nf4): reference.quant, reward.quant
     quant_library: str = "torchao"
     reduce_bucket: int | None = None  # ds.reduce_bucket_size (values); None: each engine's default
+    lora_targets: tuple[str, ...] | None = None  # block layers with LoRA (lora_targets); None: each framework's
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
 
     @classmethod
@@ -56,7 +57,8 @@ class RunShape:
                    data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
                    device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)),
-                   quant_library=spec.quant_library, reduce_bucket=spec.ds.reduce_bucket_size)
+                   quant_library=spec.quant_library, reduce_bucket=spec.ds.reduce_bucket_size,
+                   lora_targets=spec.lora_target_set)
 
     @property
     def value_bytes(self) -> int:

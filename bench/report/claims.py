@@ -380,6 +380,71 @@ def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str,
     return verdict, "; ".join(parts) + _scale_note(rows)
 
 
+# A15's quality figure per stage: (column, higher is better, in words)
+LORA_QUALITY = {"sft": ("loss_end_mean", False, "final training loss"), "rm": ("accuracy_end", True, "held-out "
+                "accuracy"), "ppo": ("preferred_fraction_end", True, "final preferred-token share")}
+PRACTICE_RANKS = range(8, 33)  # A15: rank 8-32
+
+
+def _learns_as_well(matched, column: str, higher: bool, claimed: Any, other: Any) -> bool:
+    stats = matched.stats(column)
+    a, b = stats[claimed], stats[other]
+    return tied(a, b) or (a.median > b.median if higher else a.median < b.median)
+
+
+def lora_practice(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    """A15, from cells at a LoRA rank of 8-32 that differ only in lora_targets (qkv against each other set) or
+    only in lora_alpha (rank / 2 against each other value, null = the framework's default), on each stage's
+    quality figure (LORA_QUALITY). Targets: supported where q/k/v alone learns as well (ranges touch, or better)
+    with no more trainable parameters, contradicted where it learns worse beyond the spread or trains more
+    (DS-Chat freezes only the weights it wraps). Alpha: supported where rank / 2 learns as well. A pair whose
+    engines applied the same alpha (coati's linear layers keep 32) is shown, not counted. The rank range itself
+    is not compared here (A8 compares the memory of ranks >= 64)."""
+    outcomes, parts = [], []
+    for stage, (column, higher, words) in LORA_QUALITY.items():
+        for matched in matched_sets(rows, cells, "lora_targets", stage):
+            first = next(iter(matched.by_value.values()))[0]
+            if "qkv" not in matched.by_value or first["lora"] not in PRACTICE_RANKS:
+                continue
+            quality, trained = matched.stats(column), matched.stats("trainable_params")
+            for other in [v for v in matched.by_value if v != "qkv"]:
+                if quality["qkv"].median is None or quality[other].median is None:
+                    continue
+                as_well = _learns_as_well(matched, column, higher, "qkv", other)
+                more = (trained["qkv"].median or 0) > (trained[other].median or 0)
+                outcomes.append(SUPPORTED if as_well and not more else CONTRADICTED)
+                layers = {v: runs[0].get("lora_layers") for v, runs in matched.by_value.items()}
+                parts.append(
+                    f"[{stage} {matched.fixed}] targets qkv vs {other} (adapted: {layers['qkv']} vs "
+                    f"{layers[other]}): {words} {quality['qkv'].fmt(1.0, 3)} vs {quality[other].fmt(1.0, 3)}, "
+                    f"trainable parameters {trained['qkv'].fmt(1.0, 0)} vs {trained[other].fmt(1.0, 0)}: "
+                    + ("learns as well" if as_well else "learns worse") + (", trains more" if more else "")
+                    + f" ({outcomes[-1]})")
+        for matched in matched_sets(rows, cells, "lora_alpha", stage):
+            rank = next(iter(matched.by_value.values()))[0]["lora"]
+            if rank not in PRACTICE_RANKS or rank / 2 not in matched.by_value:
+                continue
+            quality, applied = matched.stats(column), matched.stats("lora_alpha_applied")
+            for other in [v for v in matched.by_value if v != rank / 2]:
+                if quality[rank / 2].median is None or quality[other].median is None:
+                    continue
+                name = "the default" if other is None else f"{other:g}"
+                text = (f"[{stage} {matched.fixed}] alpha {rank / 2:g} vs {name} (applied "
+                        f"{applied[rank / 2].fmt(1.0, 1)} vs {applied[other].fmt(1.0, 1)}): {words} "
+                        f"{quality[rank / 2].fmt(1.0, 3)} vs {quality[other].fmt(1.0, 3)}")
+                if applied[rank / 2].median == applied[other].median:
+                    parts.append(text + " (the engines applied one alpha to both: not counted)")
+                    continue
+                as_well = _learns_as_well(matched, column, higher, rank / 2, other)
+                outcomes.append(SUPPORTED if as_well else CONTRADICTED)
+                parts.append(text + (": learns as well" if as_well else ": learns worse") + f" ({outcomes[-1]})")
+    if not outcomes:
+        return NOT_MEASURED, ("needs ok runs at a LoRA rank of 8-32 that differ only in lora_targets (qkv and "
+                              "another set) or in lora_alpha (rank / 2 and another value) (scripts/claims_sweep.sh, "
+                              "block L)" + ("; " + "; ".join(parts) if parts else ""))
+    return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
+
+
 def _median(runs: Rows, column: str) -> float | None:
     return stat([r.get(column) for r in runs]).median
 
@@ -479,8 +544,7 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]]
      _unmeasurable("a tuning claim about GLM-10B on GPUs; the harness records loss scales but sets none by hand")),
     ("A13", "z-score reward normalisation makes PPO converge 40 % faster", zscore_convergence),
     ("A14", "allgather_bucket_size = 5e8 cuts communication by 20 %", allgather_bucket),
-    ("A15", "LoRA best practice: rank 8-32, q/k/v only, alpha = rank / 2",
-     _unmeasurable("a recommendation about quality, not a measured quantity")),
+    ("A15", "LoRA best practice: rank 8-32, q/k/v only, alpha = rank / 2", lora_practice),
     ("A16", "above 85 % GPU utilisation a larger batch still raises throughput", _unmeasurable(GPU_ONLY)),
     ("A17", "plan A: LoRA + ZeRO-2 + offload runs GLM-10B on 8 x V100-32G", _plan_a),
     ("A18", "plan B: gradient accumulation 8 reaches an effective batch of 256", _a18),

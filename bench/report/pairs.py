@@ -28,6 +28,8 @@ KNOBS: dict[str, Callable[[str], bool]] = {
     "quant": lambda key: key in ("reference.quant", "reward.quant", "quant_library"),
     "normalize": lambda key: key == "reward.normalize",
     "allgather_bucket": lambda key: key == "ds.allgather_bucket_size",
+    "lora_targets": lambda key: key == "lora_targets",
+    "lora_alpha": lambda key: key == "lora_alpha",
 }
 
 

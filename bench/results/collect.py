@@ -34,7 +34,7 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "reference.quant": "none", "reward.quant": "none", "grad_clip": None,
               "quant_library": "bitsandbytes",  # the only library before the key existed
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
-              "ds.overlap_comm": None}
+              "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -107,6 +107,8 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "precision": config.get("precision"),
         "zero": config.get("zero"),
         "lora": config.get("lora"),
+        "lora_targets": _lora_targets(config),
+        "lora_alpha": config.get("lora_alpha") if config.get("lora") else None,  # None: the framework's
         "batch": config.get("batch"),
         "nproc": config.get("launcher", {}).get("nproc"),
         "tp": config.get("tp", 1),
@@ -123,6 +125,14 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "harness_extension": None,  # from the record (the framework's options name the knobs upstream lacks)
         "seed": config.get("seed"),
     }
+
+
+def _lora_targets(config: dict[str, Any]) -> str | None:
+    """lora_targets as asked ("upstream": the framework's default set); None without LoRA."""
+    if not config.get("lora"):
+        return None
+    targets = config.get("lora_targets")
+    return "upstream" if targets is None else targets if isinstance(targets, str) else "+".join(targets)
 
 
 def engine_text(notes: list[str]) -> str | None:
@@ -251,6 +261,9 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["heldout_score_mean"], row["heldout_score_std"] = heldout.get("mean"), heldout.get("std")
     losses = learning.get("loss_curve") or []
     row["loss_start"], row["loss_end"] = (_number(losses[0]), _number(losses[-1])) if losses else (None, None)
+    # the training loss at the end as one figure: the mean over the last steps (PPO's window rule, 1-10 steps)
+    tail = [v for v in losses[-max(1, min(10, len(losses) // 3)):] if _number(v) is not None]
+    row["loss_end_mean"] = sum(_number(v) for v in tail) / len(tail) if tail else None
     row["model_state_bytes_rank0"] = _model_state_rank0(result.get("model_state") or {})
     state = result.get("model_state") or {}
     frozen = [(state.get(role) or {}).get("param_bytes_per_rank") or [None] for role in ("ref", "reward")]
@@ -297,18 +310,24 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     peak = device_peak_tflops(record.get("environment") or {})
     row["mfu"] = row["tflops_per_s_rank0"] / peak if peak and row["tflops_per_s_rank0"] else None
     row["trained_params"] = _trained_params(result)
+    row["trainable_params"] = _trained_params(result, "trainable")
+    # the block layers the built models adapt (the first trained role's), and their alpha: what ran
+    layout = next(iter(((result.get("engine_knobs") or {}).get("lora") or {}).values()), None)
+    row["lora_layers"] = "+".join(layout["targets"] + layout["other"]) if layout else None
+    row["lora_alpha_applied"] = _number(layout["alpha"]) if layout else None
     for part, seconds in (result.get("fixed_cost") or {}).items():  # launch_s, imports_s, init_s, ... fixed_s
         if part != "method":
             row[f"fixed_{part}"] = _number(seconds)
     return row
 
 
-def _trained_params(result: dict[str, Any]) -> int | None:
-    """Parameters of the trained models (those with optimizer state): the denominator of model-state bytes."""
+def _trained_params(result: dict[str, Any], count: str = "total") -> int | None:
+    """Parameters of the trained models (those with optimizer state): the denominator of model-state bytes;
+    `count` trainable: those of them that train (LoRA: its factors, and what else the framework leaves on)."""
     state, params = result.get("model_state") or {}, result.get("params") or {}
     trained = [role for role, e in state.items()
                if isinstance(e, dict) and any(e.get("optimizer_state_bytes_per_rank") or [])]
-    return sum((params.get(role) or {}).get("total", 0) for role in trained) or None
+    return sum((params.get(role) or {}).get(count, 0) for role in trained) or None
 
 
 # The plain-PyTorch reference (adapters/reference): measured like a framework, shown as the yardstick, never

@@ -36,8 +36,9 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     """DS-Chat's step 3 needs a step-2 reward model. When none is given, one is trained with fixed,
     cheap settings so that every PPO configuration of a sweep scores against the same RM."""
     return spec.replace(
-        stage="rm", precision="fp32", zero=0, lora=0, offload=False, grad_ckpt=False, grad_clip=None, lr=None,
-        plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(), checkpoint=CheckpointSpec(), resume=False,
+        stage="rm", precision="fp32", zero=0, lora=0, lora_targets=None, lora_alpha=None, offload=False,
+        grad_ckpt=False, grad_clip=None, lr=None, plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(),
+        checkpoint=CheckpointSpec(), resume=False,
         reference=FrozenRoleSpec(), reward=RewardSpec(), ds=CommSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -250,6 +250,29 @@ class CheckpointSpec:
         _bool("checkpoint.async", self.background)
 
 
+# LoRA target layers of a transformer block, named by what they compute (GLM: query_key_value, dense,
+# dense_h_to_4h, dense_4h_to_h); `lora_targets` takes one of LORA_TARGET_SETS or a list of these names.
+LORA_TARGET_NAMES = ("qkv", "attn_out", "mlp_in", "mlp_out")
+LORA_TARGET_SETS = {"all": LORA_TARGET_NAMES, "attention": ("qkv", "attn_out"), "qkv": ("qkv",)}
+
+
+def lora_target_set(targets: Any) -> tuple[str, ...] | None:
+    """The block layers `lora_targets` names, in LORA_TARGET_NAMES order; None = the framework's default."""
+    if targets is None:
+        return None
+    if isinstance(targets, str):
+        _choice("lora_targets", targets, tuple(LORA_TARGET_SETS))
+        return LORA_TARGET_SETS[targets]
+    if not isinstance(targets, (list, tuple)) or not targets:
+        raise SpecError(f"lora_targets={targets!r} must be null (the framework's default), one of "
+                        f"{sorted(LORA_TARGET_SETS)} or a non-empty list of {list(LORA_TARGET_NAMES)}")
+    for name in targets:
+        _choice("lora_targets", name, LORA_TARGET_NAMES)
+    if len(set(targets)) != len(targets):
+        raise SpecError(f"lora_targets={list(targets)!r} names a layer twice")
+    return tuple(n for n in LORA_TARGET_NAMES if n in targets)
+
+
 QUANT_MODES = ("none", "int8", "nf4")
 # torchao: pure-torch weight-only int8 and NF4 tensors, their allocations torch's own (the default);
 # bitsandbytes: LLM.int8 / Linear4bit, whose CPU int8 path holds memory outside torch (README, quantized roles)
@@ -300,6 +323,8 @@ class RunSpec:
     precision: str = "fp32"
     zero: int = 0
     lora: int = 0
+    lora_targets: str | tuple[str, ...] | None = None  # which block layers get LoRA (lora_target_set)
+    lora_alpha: float | None = None  # LoRA scaling numerator (scaling = alpha / rank); None: the framework's
     batch: int = 4
     prompt_len: int = 16
     answer_len: int = 16
@@ -392,6 +417,13 @@ class RunSpec:
                 f"prompt_len + answer_len = {self.prompt_len + self.answer_len} exceeds "
                 f"model.positions={self.model.positions}"
             )
+        lora_target_set(self.lora_targets)
+        if self.lora_alpha is not None:
+            _positive_float("lora_alpha", self.lora_alpha)
+        for key in ("lora_targets", "lora_alpha"):
+            if getattr(self, key) is not None and not self.lora:
+                raise SpecError(f"{key}={getattr(self, key)!r} shapes LoRA adapters; lora=0 trains without them "
+                                "(set lora to a rank > 0, or leave it null)")
         if self.lora and self.lora >= self.model.hidden:
             raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
         if self.offload and self.zero == 0:
@@ -426,6 +458,15 @@ class RunSpec:
             return self.memory_release_every
         return 1 if self.soak else 4
 
+    @property
+    def lora_target_set(self) -> tuple[str, ...] | None:
+        """The block layers LoRA adapts (LORA_TARGET_NAMES); None: each framework's upstream default."""
+        return lora_target_set(self.lora_targets)
+
+    def lora_alpha_or(self, upstream: float) -> float:
+        """The LoRA alpha a framework applies: `lora_alpha` where set, else its upstream default."""
+        return upstream if self.lora_alpha is None else float(self.lora_alpha)
+
     def grad_clip_or(self, upstream: float) -> float:
         """The clipping threshold a framework applies: `grad_clip` where set, else its upstream default
         (0 = no clipping)."""
@@ -449,6 +490,8 @@ class RunSpec:
         data["launcher"] = LauncherSpec(**data.get("launcher") or {})
         data["stability"] = StabilitySpec(**data.get("stability") or {})
         data["tags"] = tuple(data.get("tags") or ())
+        if isinstance(data.get("lora_targets"), list):
+            data["lora_targets"] = tuple(data["lora_targets"])
         data["debug"] = DebugSpec(**data.get("debug") or {})
         data["ds"] = CommSpec(**data.get("ds") or {})
         data["checkpoint"] = CheckpointSpec(**data.get("checkpoint") or {})
@@ -458,6 +501,11 @@ class RunSpec:
 
     def replace(self, **changes: Any) -> RunSpec:
         return dataclasses.replace(self, **changes)
+
+
+def _targets(value: Any) -> str | tuple[str, ...] | None:
+    """A config list (Hydra's ListConfig) as a tuple, so the frozen spec stays hashable."""
+    return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
 def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
@@ -481,6 +529,8 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         precision=cfg["precision"],
         zero=cfg["zero"],
         lora=cfg["lora"],
+        lora_targets=_targets(cfg.get("lora_targets")),
+        lora_alpha=cfg.get("lora_alpha"),
         batch=cfg["batch"],
         prompt_len=cfg["prompt_len"],
         answer_len=cfg["answer_len"],
