@@ -63,6 +63,45 @@ class TrainOutput:
         self.skipped[role] = skipped
         self.loss_scales[role] = loss_scale
 
+    def accumulate(self, role: str, loss: float) -> None:
+        """A micro-batch of `role` whose gradients were accumulated without an optimizer step."""
+        self.losses[role] = loss
+
+
+def optimizer_step_count(optimizer: Any) -> int:
+    """How many steps a torch optimizer has taken (the largest `step` in its state), found inside wrappers
+    (accelerate's AcceleratedOptimizer, colossalai's OptimizerWrapper and ZeRO optimizers)."""
+    for _ in range(4):
+        if isinstance(optimizer, torch.optim.Optimizer):
+            break
+        optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return 0
+    steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
+    return int(max(steps)) if steps else 0
+
+
+def merge_micro(outs: list[TrainOutput]) -> TrainOutput:
+    """One optimizer step from its micro-batches' outputs (grad_accum): tokens and samples summed, each role's
+    loss the mean over its micro-batches (a non-finite one kept), its gradient norm, skip and loss scale from
+    the micro-batch that stepped it; optimizer and skipped step counts summed, other metrics averaged."""
+    if len(outs) == 1:
+        return outs[0]
+    merged = TrainOutput(losses={}, tokens=sum(o.tokens for o in outs), samples=sum(o.samples for o in outs))
+    for role in dict.fromkeys(role for o in outs for role in o.losses):
+        losses = [o.losses[role] for o in outs if role in o.losses]
+        merged.losses[role] = next((v for v in losses if not _finite(v)), sum(losses) / len(losses))
+        stepped = [o for o in outs if role in o.grad_norms]
+        if stepped:
+            merged.grad_norms[role] = stepped[-1].grad_norms[role]
+            merged.skipped[role] = any(o.skipped[role] for o in stepped)
+            merged.loss_scales[role] = stepped[-1].loss_scales[role]
+    for key in dict.fromkeys(k for o in outs for k in o.metrics):
+        values = [o.metrics[key] for o in outs if key in o.metrics]
+        counted = key.startswith(("optimizer_steps/", "skipped_steps/"))
+        merged.metrics[key] = sum(values) if counted else sum(values) / len(values)
+    return merged
+
 
 @dataclass
 class Rollout:
@@ -145,6 +184,7 @@ class Adapter(ABC):
         self.ctx = ctx
         self.quantized: dict[str, Any] = {}  # role -> adapters.quantize.QuantizedRole, filled by setup()
         self.reward_scaling: Any = None  # adapters.reward_norm.RewardScaling of a PPO stage (set_reward_scaling)
+        self._micro: dict[str, int] = {}  # micro-batches each trained role has run (grad_accum)
         if spec.reference.quant != "none" or spec.reward.quant != "none":
             # imported here, in the worker's `imports` phase: the library's own resident bytes (torchao's ~80
             # MiB of modules and kernel libraries, bitsandbytes' ~40) are an import, not what quantizing saves or costs
@@ -166,13 +206,24 @@ class Adapter(ABC):
 
         self.reward_scaling = reward_scaling(self.spec, init, self.upstream_reward_normalize)
 
+    #: PPO with grad_accum: False = each rollout's update runs right after it, the optimizers stepping on the
+    #: last (DS-Chat, coati); True = all of a step's rollouts first, then their update (trlx's learn)
+    updates_after_all_rollouts = False
+
+    def ends_accumulation(self, role: str) -> bool:
+        """Counts a micro-batch of `role`: whether it completes grad_accum of them, so the optimizer steps.
+        Engines that count micro-batches themselves (DeepSpeed's gradient_accumulation_steps) need not ask."""
+        self._micro[role] = self._micro.get(role, 0) + 1
+        return self._micro[role] % self.spec.grad_accum == 0
+
     @abstractmethod
     def sft_step(self, batch: SFTBatch) -> TrainOutput:
-        """One SFT step; the trained role is named "actor" (the model PPO will start from)."""
+        """One SFT micro-batch (grad_accum of them make an optimizer step); the trained role is named "actor"
+        (the model PPO will start from)."""
 
     @abstractmethod
     def rm_step(self, batch: PreferenceBatch) -> TrainOutput:
-        """One pairwise reward-model step; the trained role is named "reward"."""
+        """One pairwise reward-model micro-batch; the trained role is named "reward"."""
 
     @abstractmethod
     def rm_scores(self, batch: PreferenceBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +237,8 @@ class Adapter(ABC):
     def make_experience(self, rollout: Rollout) -> Experience: ...
 
     @abstractmethod
-    def ppo_train(self, experience: Experience) -> TrainOutput: ...
+    def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
+        """The update over `experiences`: one rollout's (updates_after_all_rollouts False), or all of a step's."""
 
     @abstractmethod
     def save(self, stage: str, directory: str) -> str:
@@ -256,6 +308,16 @@ class Adapter(ABC):
         """The common knobs as the built engines apply them, read back from the engines (not the config), per
         knob and trained role: `grad_clip` (0 = no clipping)."""
         return {}
+
+    def trained_optimizers(self) -> dict[str, Any]:
+        """The optimizers of the trained roles (any wrapper: optimizer_step_count finds the torch one inside)."""
+        return {}
+
+    def accumulation(self) -> dict[str, dict[str, int]]:
+        """grad_accum as the engines ran it, per trained role: the micro-batches run and the optimizer steps the
+        optimizer itself counted (its state's `step`)."""
+        return {"micro_batches": dict(self._micro),
+                "optimizer_steps": {role: optimizer_step_count(opt) for role, opt in self.trained_optimizers().items()}}
 
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         """The models this stage trains, by role (engine wrappers are fine: only their module tree is read)."""

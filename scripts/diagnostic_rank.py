@@ -50,7 +50,7 @@ class DiagnosticRank:
         elif self.stage == "rm":
             self.adapter.rm_step(self.data.preferences(i))
         else:
-            self.adapter.ppo_train(self.experience(i))
+            self.adapter.ppo_train([self.experience(i)])
 
     def experience(self, i: int) -> Any:
         """PPO's rollout of step i and the experience made from it."""

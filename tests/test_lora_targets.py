@@ -112,9 +112,12 @@ MEMORY_MODELS = {"dschat": (dschat, "reward"), "colossalai": (coati, "reward"), 
 
 @pytest.mark.engine
 @pytest.mark.parametrize("framework", list(EXPECTED_LAYOUT))
-def test_every_adapter_builds_the_asked_lora(run_bench, framework: str) -> None:
-    overrides = ("lora=4", "lora_targets=[qkv,mlp_out]", "lora_alpha=2")
-    record = run_bench(f"framework={framework}", "stage=rm", "steps=3", "warmup_steps=1", *overrides)
+def test_every_adapter_runs_the_lora_and_accumulation_knobs(run_bench, framework: str) -> None:
+    # one RM run per adapter at ZeRO-2 (trlx through DeepSpeed, the reference through FSDP2) turns lora_targets,
+    # lora_alpha and grad_accum; what the built engines did is read back from them
+    overrides = ("lora=4", "lora_targets=[qkv,mlp_out]", "lora_alpha=2", "zero=2", "precision=bf16")
+    record = run_bench(f"framework={framework}", "stage=rm", "steps=3", "warmup_steps=1", "grad_accum=2",
+                       *overrides)
     rm = record["stages"]["rm"]
     assert record["status"] == "ok", rm.get("error")
     assert rm["engine_knobs"]["lora"] == {"reward": EXPECTED_LAYOUT[framework]}
@@ -123,6 +126,12 @@ def test_every_adapter_builds_the_asked_lora(run_bench, framework: str) -> None:
         built = RunShape.from_spec(spec_from_config(compose([f"framework={framework}", "stage=rm", *overrides])), "rm")
         counts = rm["params"]["reward"]
         assert model.role_params(built, name, 4) == (counts["total"], counts["trainable"])
+    # 3 steps of 2 micro-batches each: the engine (DeepSpeed's own counters, else the optimizer's state) took
+    # one optimizer step per record step; the record says what a step trained on
+    assert rm["engine_knobs"]["accumulation"] == {"micro_batches": {"reward": 6}, "optimizer_steps": {"reward": 3}}
+    assert all(step["optimizer_steps/reward"] == 1 for step in rm["steps"])
+    assert record["batch"]["global"] == 4 * 2 and record["batch"]["grad_accum"] == 2
+    assert rm["throughput"]["phases"]["training"]["measured_steps"] == 2  # 3 steps less 1 warm-up
 
 
 def _row(framework: str, stage: str, targets: str, alpha: float | None, seed: int, quality: float,

@@ -168,6 +168,9 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {role: model_state(model.parameters(), _inner_optimizer(self.optimizers.get(role)))
                 for role, model in self.models.items()}
 
+    def trained_optimizers(self) -> dict[str, Any]:
+        return dict(self.optimizers)
+
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {role: self.models[role] for role in self.optimizers}
 

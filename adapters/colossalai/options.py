@@ -196,6 +196,12 @@ class ColossalOptions:
             raise UnsupportedError(f"{', '.join(spec.ds.set_knobs())} with plugin={plugin.name} ({plugin.cls}): only "
                                    "ColossalAI's ZeRO (LowLevelZeroPlugin, HybridParallelPlugin at zero_stage >= 1) "
                                    "has a reduce bucket and overlapped reduction")
+        if spec.grad_accum > 1 and spec.pp > 1:
+            raise UnsupportedError(f"grad_accum={spec.grad_accum} with pp={spec.pp}: ColossalChat's pipeline SFT "
+                                   "path steps the optimizer after every batch (accumulation_steps is ignored there)")
+        if spec.grad_accum > 1 and plugin.name == "gemini_auto":
+            raise UnsupportedError(f"grad_accum={spec.grad_accum} with plugin=gemini_auto: ColossalChat raises "
+                                   "ValueError (placement_policy auto has no gradient accumulation)")
         if plugin.cls == "GeminiPlugin" and spec.precision == "fp32":
             raise UnsupportedError("GeminiPlugin trains in fp16 or bf16 only (precision=fp32 given)")
         if plugin.cls == "HybridParallelPlugin":

@@ -27,7 +27,12 @@ class Update:
         return precision_mixin(self.optimizers[role])
 
     def _step(self, role: str, loss: float, out: TrainOutput) -> None:
-        """Step one optimizer and record its gradient norm (unscaled), overflow skip and loss scale."""
+        """Step one optimizer and record its gradient norm (unscaled), overflow skip and loss scale; with
+        grad_accum only on every grad_accum-th micro-batch, as coati's trainers count `num_train_step` (the
+        losses are not divided: the micro-batches' gradients add up)."""
+        if not self.ends_accumulation(role):
+            out.accumulate(role, loss)
+            return
         optimizer = self.optimizers[role]
         mixin = self._mixin(role)
         fp16 = self.spec.precision == "fp16" and hasattr(mixin, "loss_scale")
@@ -100,7 +105,8 @@ class Update:
         self.models["reward"].eval()
         return self._pair_scores(batch)
 
-    def ppo_train(self, experience: Experience) -> TrainOutput:
+    def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
+        (experience,) = experiences  # each collected batch is trained as it comes (num_collect_steps 1)
         p = experience.payload
         ppo = self.options.ppo
         seq, mask, action_mask = p["seq"], p["mask"], p["action_mask"]

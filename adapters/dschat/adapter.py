@@ -93,6 +93,12 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles},
                 **deepspeed_comm_knobs({role: self.engines[role] for role in roles})}
 
+    def accumulation(self) -> dict[str, dict[str, int]]:
+        """DeepSpeed's own counts: micro-batches run and optimizer steps taken by each trained engine."""
+        roles = ("actor", "critic") if "critic" in self.engines else tuple(self.engines)
+        return {"micro_batches": {role: int(self.engines[role].micro_steps) for role in roles},
+                "optimizer_steps": {role: int(self.engines[role].global_steps) for role in roles}}
+
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {role: engine.module for role, engine in self._trained().items()}
 

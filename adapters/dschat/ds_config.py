@@ -19,7 +19,9 @@ def _precision(spec: RunSpec, options: DSChatOptions) -> dict[str, Any]:
 
 
 def _batch(spec: RunSpec, world_size: int) -> dict[str, Any]:
-    return {"train_micro_batch_size_per_gpu": spec.batch, "train_batch_size": spec.batch * world_size}
+    """DS-Chat's train_batch_size = per-device batch x world size x --gradient_accumulation_steps, from which
+    DeepSpeed derives its gradient_accumulation_steps (the engine steps on every grad_accum-th micro-batch)."""
+    return {"train_micro_batch_size_per_gpu": spec.batch, "train_batch_size": spec.batch * world_size * spec.grad_accum}
 
 
 def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap_comm: bool,

@@ -31,7 +31,10 @@ class Update:
         return float(scale) if scale is not None else None
 
     def _backward_step(self, role: str, loss: torch.Tensor, out: TrainOutput) -> None:
+        """engine.backward and engine.step, as train_rlhf and the step-1/2 loops call them on every micro-batch:
+        DeepSpeed divides the loss by its gradient_accumulation_steps and steps the optimizer on the last."""
         engine = self.engines[role]
+        boundary = engine.is_gradient_accumulation_boundary()  # asked before step() counts this micro-batch
         skipped_before = engine.skipped_steps
         scale = 1.0
         if role in self._unscaled and self.options.fix_fp16_zero0_loss_scale:
@@ -39,6 +42,10 @@ class Update:
             engine.backward(scaled)
         else:
             engine.backward(loss)
+        if not boundary:
+            engine.step()  # counts the micro-batch; the optimizer waits for the last
+            out.accumulate(role, float(loss.detach()))
+            return
         # ZeRO-0 keeps whole gradients on the module, so the norm is measured there (unscaled); DeepSpeed's own
         # ZeRO-0 figure is missing for fp32 and, for fp16, off by the loss scale (see fp16_zero0).
         own_norm = global_grad_norm(engine.module.parameters()) if engine.zero_optimization_stage() == 0 else None
@@ -88,7 +95,8 @@ class Update:
         engine.train()
         return result["chosen_end_scores"].float(), result["rejected_end_scores"].float()
 
-    def ppo_train(self, experience: Experience) -> TrainOutput:
+    def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
+        (experience,) = experiences  # train_rlhf runs on each rollout as it comes (generation_batches 1)
         p = experience.payload
         ppo = self.options.ppo
         seq, mask, start = p["seq"], p["mask"], p["start"]

@@ -9,6 +9,7 @@ every phase shares (checkpoints between stages, state counts, teardown).
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,6 +76,9 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {role: model_state(module.parameters(), getattr(self.optimizers.get(role), "optim",
                                                                 self.optimizers.get(role)))
                 for role, module in self.modules.items()}
+
+    def trained_optimizers(self) -> dict[str, Any]:
+        return dict(self.optimizers)
 
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {role: self.modules[role] for role in self.optimizers}

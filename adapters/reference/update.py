@@ -5,6 +5,7 @@ on the last action, GAE, clipped policy and value losses; actor step, then criti
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 
@@ -23,12 +24,21 @@ class Update:
     """Training half of ReferenceAdapter (a mixin)."""
 
     def _backward_step(self, role: str, loss: torch.Tensor, out: TrainOutput) -> None:
+        """Backward of one micro-batch's loss / grad_accum (the step's gradient is their mean), the data-parallel
+        reduction only on the last (DDP no_sync; FSDP2 set_requires_gradient_sync), then clip and step."""
         optimizer, scaler = self.optimizers[role], self.scalers.get(role)
+        model = self.models[role]
+        last = self.ends_accumulation(role)
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(last)
+        with nullcontext() if last or not hasattr(model, "no_sync") else model.no_sync():
+            scaled = loss / self.spec.grad_accum
+            (scaled if scaler is None else scaler.scale(scaled)).backward()
+        if not last:
+            out.accumulate(role, float(loss.detach()))
+            return
         params = [p for p in self.modules[role].parameters() if p.requires_grad]
-        if scaler is None:
-            loss.backward()
-        else:
-            scaler.scale(loss).backward()
+        if scaler is not None:
             scaler.unscale_(optimizer)
         # the norm of whole gradients (DDP has all-reduced them; FSDP2's DTensors reduce it), clipped as asked
         clip = self.spec.grad_clip_or(self.options.grad_clip) or math.inf
@@ -81,7 +91,8 @@ class Update:
         scores, n = end_scores(values, mask), batch.chosen_ids.shape[0]
         return scores[:n], scores[n:]
 
-    def ppo_train(self, experience: Experience) -> TrainOutput:
+    def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
+        (experience,) = experiences  # updated as it comes, as DS-Chat's formulation
         p = experience.payload
         ppo = self.options.ppo
         seq, mask, start = p["seq"], p["mask"], p["start"]

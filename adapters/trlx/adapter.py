@@ -36,6 +36,9 @@ MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
 
 # A resumed trlx PPO run loses state its save never wrote (see upstream_defects).
 RESUME_DEFECT = "trlx-save-state-drops-running-moments-and-kl-controller"
+MINIBATCH_DEFECT = "trlx-deepspeed-minibatch-steps-every-micro-batch"
+MINIBATCH_DEFECT_WHERE = ("trlx/trainer/accelerate_base_trainer.py learn() and _accumulate (accelerator.backward per "
+                          "micro-batch, opt.step() per minibatch) with accelerate's DeepSpeedEngineWrapper.backward")
 RESUME_DEFECT_WHERE = ("trlx accelerate_base_trainer.py save()/load() = accelerator.save_state/load_state; "
                        "accelerate_ppo_trainer.py running_moments and kl_ctl are plain attributes, never registered "
                        "for checkpointing")
@@ -44,6 +47,7 @@ RESUME_DEFECT_WHERE = ("trlx accelerate_base_trainer.py save()/load() = accelera
 UPSTREAM_CLIP = 1.0  # trlx's configs/accelerate/zero*.yaml: gradient_clipping 1.0 (its trainers call no clip)
 
 class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
+    updates_after_all_rollouts = True  # learn(): make_experience(num_rollouts) first, then the passes over them
     phase_roles = {
         "sft": {"training": ("actor",)},
         "rm": {"training": ("reward",), "evaluation": ("reward",)},
@@ -150,13 +154,21 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         self._resumed_ppo = stage == "ppo"
 
     def upstream_defects(self) -> list[dict[str, str]]:
-        if not self._resumed_ppo:
-            return []
-        return [{"id": RESUME_DEFECT, "where": RESUME_DEFECT_WHERE,
-                 "effect": ("a resumed PPO run restarts the running mean and std that scale its rewards "
-                            "(scale_reward=running) and an adaptive KL coefficient: its steps after the resume are "
-                            "not those of an uninterrupted run"),
-                 "handling": "run as upstream"}]
+        found = []
+        if self._resumed_ppo:
+            found.append({"id": RESUME_DEFECT, "where": RESUME_DEFECT_WHERE,
+                          "effect": ("a resumed PPO run restarts the running mean and std that scale its rewards "
+                                     "(scale_reward=running) and an adaptive KL coefficient: its steps after the "
+                                     "resume are not those of an uninterrupted run"),
+                          "handling": "run as upstream"})
+        if self.deepspeed and self.spec.grad_accum > 1 and self.role == "actor":
+            found.append({"id": MINIBATCH_DEFECT, "where": MINIBATCH_DEFECT_WHERE,
+                          "effect": (f"minibatch_size splits each batch into {self.spec.grad_accum} micro-batches, "
+                                     "but accelerate's DeepSpeed backward steps the engine after each of them (trlx "
+                                     "sets no gradient_accumulation_steps): an optimizer step per micro-batch, "
+                                     "none accumulated"),
+                          "handling": "run as upstream: the steps' optimizer_steps count them"})
+        return found
 
     def params(self) -> dict[str, ParamCounts]:
         return dict(self._counts)
@@ -180,6 +192,15 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
         """trlx's scale_reward: running, ref (over the first rollout's std) or ignored (none)."""
         scale = self.options.ppo.scale_reward
         return "none" if scale == "ignored" else scale
+
+    def trained_optimizers(self) -> dict[str, Any]:
+        return {self.role: self.optimizer} if self.optimizer is not None else {}
+
+    def accumulation(self) -> dict[str, dict[str, int]]:
+        if not self.deepspeed or self.model is None:
+            return super().accumulation()
+        return {"micro_batches": {self.role: int(self.model.micro_steps)},  # DeepSpeed's own counts
+                "optimizer_steps": {self.role: int(self.model.global_steps)}}
 
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {self.role: self.model} if self.model is not None else {}

@@ -68,6 +68,8 @@ class Engines:
             self._counts["reward"] = count_params(model)
             self._prepare("reward", model, self.spec.stage_lr("rm"))
             self.model.train()  # the example trains its RM with HF's Trainer: train mode throughout
+            if self.deepspeed and self.spec.grad_accum > 1:  # the Trainer hands its accumulation to DeepSpeed
+                self.model.set_train_batch_size(self.spec.batch * self.ctx.world_size * self.spec.grad_accum)
             frozen = sum(not p.requires_grad for p in model.transformer.h.parameters())
             self._notes.append(f"RM: rm_unfrozen_fraction={self.options.rm_unfrozen_fraction} leaves {frozen} block "
                                "tensors frozen (train_reward_model_gptj.py freezes the first 70 % of the blocks)")

@@ -8,6 +8,8 @@ The RM example trains with HF's Trainer, in train mode throughout.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 
@@ -20,16 +22,34 @@ from bench.run.data import PreferenceBatch, SFTBatch
 class Update:
     """Training half of TrlxAdapter (a mixin)."""
 
-    def _backward_step(self, loss: torch.Tensor, out: TrainOutput, train_mode_around_backward: bool = True) -> None:
+    def _backward_step(self, loss: torch.Tensor, out: TrainOutput, train_mode_around_backward: bool = True,
+                       hf_trainer: bool = False) -> None:
+        """learn()'s micro-batch: accelerator.backward, then opt.step() after the minibatch's last. trlx never
+        sets accelerate's gradient_accumulation_steps, so the loss is not divided (the micro-batches' gradients
+        add up) and under DeepSpeed accelerate's backward steps the engine on every micro-batch (an upstream
+        defect, UPSTREAM_DEFECTS). `hf_trainer` (the RM example's Trainer): the loss divided by grad_accum and
+        gradients synchronised on the last micro-batch only; under DeepSpeed the engine accumulates (its
+        gradient_accumulation_steps set from grad_accum at setup) and steps on the last."""
         role = self.role
         accelerator = self.accelerator
         engine = self.model if self.deepspeed else None
         skipped_before = engine.skipped_steps if engine is not None else 0
+        last = self.ends_accumulation(role)
         if train_mode_around_backward:
             self.model.train()
-        accelerator.backward(loss)  # with DeepSpeed this also steps the engine
+        if hf_trainer and engine is not None:
+            engine.backward(loss)
+            engine.step()
+        elif hf_trainer:
+            with nullcontext() if last else accelerator.no_sync(self.model):
+                accelerator.backward(loss / self.spec.grad_accum)
+        else:
+            accelerator.backward(loss)  # with DeepSpeed this also steps the engine, every micro-batch
         if train_mode_around_backward:
             self.model.eval()
+        if not last and (engine is None or hf_trainer):
+            out.accumulate(role, float(loss.detach()))
+            return
         norm = None
         if engine is None:
             scale = accelerator.scaler.get_scale() if accelerator.scaler is not None else 1.0
@@ -62,7 +82,7 @@ class Update:
     def rm_step(self, batch: PreferenceBatch) -> TrainOutput:
         loss, correct = self._pair_loss(batch, self.ctx.device)
         out = TrainOutput(losses={}, tokens=batch.real_tokens, samples=batch.chosen_ids.shape[0])
-        self._backward_step(loss, out, train_mode_around_backward=False)
+        self._backward_step(loss, out, train_mode_around_backward=False, hf_trainer=True)
         out.metrics["accuracy"] = float(correct.mean())
         return out
 
@@ -80,30 +100,41 @@ class Update:
         self.model.train()
         return scores[:n], scores[n:]
 
-    def ppo_train(self, experience: Experience) -> TrainOutput:
-        p = {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in experience.payload.items()}
+    def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
+        """learn(): `ppo_epochs` passes over the step's rollouts, each pass one minibatch of grad_accum
+        micro-batches (train.batch_size = batch x grad_accum, minibatch_size = batch)."""
         ppo = self.options.ppo
-        seq, mask, start = p["seq"], p["mask"], p["start"]
-        response_mask = mask[:, 1:][:, start:].to(p["values"].dtype)
-        advantages, returns = gae(p["values"], p["rewards"], 0, ppo.gamma, ppo.lam)
-        advantages = _whiten(advantages)
         out = TrainOutput(losses={}, tokens=0, samples=0)
+        micro = [self._micro_batch(e) for e in experiences]
         for _ in range(ppo.ppo_epochs):
-            values, outputs = self.model(seq, mask)  # eval mode, as trlx's loss forward
-            log_probs = gather_log_probs(outputs.logits[:, :-1], seq[:, 1:])[:, start:]
-            values = values[:, :-1][:, start:]
-            self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
-            loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, p["log_probs"], p["values"], advantages, returns,
-                                               response_mask, ppo)
-            self._backward_step(loss, out)
-            out.metrics.update(policy_loss=float(pg_loss), value_loss=float(vf_loss))
-            out.tokens += experience.tokens
-            out.samples += experience.samples
+            for experience, (p, advantages, returns, response_mask) in zip(experiences, micro, strict=True):
+                seq, mask, start = p["seq"], p["mask"], p["start"]
+                values, outputs = self.model(seq, mask)  # eval mode, as trlx's loss forward
+                log_probs = gather_log_probs(outputs.logits[:, :-1], seq[:, 1:])[:, start:]
+                values = values[:, :-1][:, start:]
+                self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
+                loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, p["log_probs"], p["values"], advantages,
+                                                   returns, response_mask, ppo)
+                self._backward_step(loss, out)
+                out.metrics.update(policy_loss=float(pg_loss), value_loss=float(vf_loss))
+                out.tokens += experience.tokens
+                out.samples += experience.samples
             if ppo.target is not None:  # AdaptiveKLController.update after each inner epoch
-                error = max(-0.2, min(0.2, experience.kl / ppo.target - 1))
-                self._kl_coef *= 1 + error * experience.samples / ppo.horizon
+                samples = sum(e.samples for e in experiences)
+                kl = sum(e.kl * e.samples for e in experiences) / samples
+                error = max(-0.2, min(0.2, kl / ppo.target - 1))
+                self._kl_coef *= 1 + error * samples / ppo.horizon
         out.metrics["kl_coef"] = self._kl_coef
         return out
+
+    def _micro_batch(self, experience: Experience):
+        """One rollout's tensors on the device, with its GAE advantages (whitened, as loss() does per
+        micro-batch), returns and response mask."""
+        ppo = self.options.ppo
+        p = {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in experience.payload.items()}
+        response_mask = p["mask"][:, 1:][:, p["start"]:].to(p["values"].dtype)
+        advantages, returns = gae(p["values"], p["rewards"], 0, ppo.gamma, ppo.lam)
+        return p, _whiten(advantages), returns, response_mask
 
 
 def _whiten(x: torch.Tensor) -> torch.Tensor:

@@ -93,7 +93,7 @@ def worst(spec: RunSpec, device: str, total: float, source: str) -> Verdict | No
 
 def preflight(spec: RunSpec, mode: str, device: str) -> tuple[RunSpec, dict[str, Any] | None]:
     """(the spec to run, what preflight found) or PreflightRefusal. `shrink` returns a spec with a smaller
-    batch when that is what fits."""
+    batch when that is what fits (and, with global_batch stated, as much more gradient accumulation)."""
     if mode == "off":
         return spec, None
     total, source = budget(spec, device)
@@ -101,11 +101,14 @@ def preflight(spec: RunSpec, mode: str, device: str) -> tuple[RunSpec, dict[str,
     if verdict is None:
         return spec, {"mode": mode, "skipped": f"{spec.framework} has no memory model"}
     first = verdict
-    while not verdict.fits and mode == "shrink" and spec.batch > 1:
-        spec = dataclasses.replace(spec, batch=spec.batch // 2)
+    # with a stated global_batch the accumulation doubles as the micro-batch halves, so the global batch holds
+    while not verdict.fits and mode == "shrink" and spec.batch > 1 and (spec.global_batch is None
+                                                                         or spec.batch % 2 == 0):
+        spec = dataclasses.replace(spec, batch=spec.batch // 2,
+                                   grad_accum=spec.grad_accum * (1 if spec.global_batch is None else 2))
         verdict = worst(spec, device, total, source)
     found = {"mode": mode, "device": device, "asked_batch": first.batch, "asked": first.as_dict(),
-             "run_batch": spec.batch, "verdict": verdict.as_dict(), "safety": SAFETY,
+             "run_batch": spec.batch, "run_grad_accum": spec.grad_accum, "verdict": verdict.as_dict(), "safety": SAFETY,
              "runtime_bytes": RUNTIME_BYTES[device]}
     if not verdict.fits:
         hint = "" if mode == "shrink" else "; preflight=shrink halves the batch until it fits"

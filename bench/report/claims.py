@@ -72,9 +72,11 @@ def _strict_order(stats: dict[str, Stat]) -> list[list[str]]:
 
 def memory_order(stage: str) -> Callable[[Rows, Records, Cells], tuple[str, str]]:
     def check(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
-        sets = matched_sets(rows, cells, "framework", stage)
+        # the claims' setting is full fine-tuning (LoRA is plan A's lever, A17): LoRA cells are not evidence
+        sets = matched_sets([r for r in rows if not r.get("lora")], cells, "framework", stage)
         if not sets:
-            return NOT_MEASURED, f"needs ok {stage} runs of two or more frameworks at one configuration"
+            return NOT_MEASURED, (f"needs ok full fine-tuning (lora=0) {stage} runs of two or more frameworks at one "
+                                  "configuration")
         outcomes, parts = [], []
         for matched in sets:
             stats = matched.stats("growth_bytes")

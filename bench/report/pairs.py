@@ -30,6 +30,7 @@ KNOBS: dict[str, Callable[[str], bool]] = {
     "allgather_bucket": lambda key: key == "ds.allgather_bucket_size",
     "lora_targets": lambda key: key == "lora_targets",
     "lora_alpha": lambda key: key == "lora_alpha",
+    "grad_accum": lambda key: key == "grad_accum",
 }
 
 

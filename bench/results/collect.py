@@ -19,12 +19,12 @@ from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETU
 
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
-CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "nproc", "tp", "pp",
-                  "plugin", "offload", "grad_ckpt", "quant", "normalize", "reference", "upstream_fix",
+CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "batch", "grad_accum", "nproc", "tp",
+                  "pp", "plugin", "offload", "grad_ckpt", "quant", "normalize", "reference", "upstream_fix",
                   "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
-                    "preflight")
+                    "preflight", "global_batch")  # global_batch: a check before launch, nothing the run does
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the
@@ -34,7 +34,8 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "reference.quant": "none", "reward.quant": "none", "grad_clip": None,
               "quant_library": "bitsandbytes",  # the only library before the key existed
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
-              "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None}
+              "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None,
+              "grad_accum": 1}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -110,6 +111,7 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "lora_targets": _lora_targets(config),
         "lora_alpha": config.get("lora_alpha") if config.get("lora") else None,  # None: the framework's
         "batch": config.get("batch"),
+        "grad_accum": config.get("grad_accum", 1),
         "nproc": config.get("launcher", {}).get("nproc"),
         "tp": config.get("tp", 1),
         "pp": config.get("pp", 1),
@@ -278,15 +280,16 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                    and k.removeprefix("time_s_per_step_") not in OUTSIDE_STEP and row[k] is not None]
     row["step_time_s"] = sum(step_phases) if step_phases else None
     replicas = (row["nproc"] or 1) // ((row["tp"] or 1) * (row["pp"] or 1))
-    row["samples_per_s_step"] = (row["batch"] * replicas / row["step_time_s"]
-                                 if row["step_time_s"] and row["batch"] else None)
+    row["global_batch"] = row["batch"] * row["grad_accum"] * replicas if row["batch"] else None
+    row["samples_per_s_step"] = (row["global_batch"] / row["step_time_s"]
+                                 if row["step_time_s"] and row["global_batch"] else None)
     # Equal work across frameworks: the step as it would run with one update pass over its rollout (trlx
     # makes 4 by default, the others 1): generation + experience + training / passes.
     row["update_passes"] = update_passes(record["config"]) if stage == "ppo" else None
     training = row.get("time_s_per_step_training")
     one_pass = (row["step_time_s"] - training * (1 - 1 / row["update_passes"])
                 if stage == "ppo" and row["step_time_s"] and training is not None else None)
-    row["samples_per_s_one_pass"] = row["batch"] * replicas / one_pass if one_pass and row["batch"] else None
+    row["samples_per_s_one_pass"] = row["global_batch"] / one_pass if one_pass and row["global_batch"] else None
     row["wall_time_s"] = _number(result.get("wall_time_s"))
     saves = (result.get("checkpoints") or {}).get("saves") or []
     stalls = [s["stall_s"] for s in saves if s.get("stall_s") is not None]

@@ -104,6 +104,7 @@ class ResultRecord:
     prerequisites: dict[str, Any] = field(default_factory=dict)
     harness_extension: list[dict[str, str]] = field(default_factory=list)  # knobs upstream cannot run
     preflight: dict[str, Any] | None = None  # preflight=on|shrink: the predicted peak, the budget, the batch run
+    batch: dict[str, Any] = field(default_factory=dict)  # micro-batch, accumulation, ranks, global (batch_shape)
     stages: dict[str, StageRecord] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -128,6 +129,15 @@ def _mean(values: list[Any]) -> Any:
     if all(math.isfinite(n) for n in numbers):
         return statistics.fmean(numbers)
     return next(n for n in numbers if math.isnan(n)) if any(math.isnan(n) for n in numbers) else sum(numbers)
+
+
+def batch_shape(micro: int, grad_accum: int, data_parallel: int) -> dict[str, Any]:
+    """What one optimizer step of the record trains on: the global batch is micro x grad_accum x data parallel."""
+    return {"micro_per_rank": micro, "grad_accum": grad_accum, "data_parallel": data_parallel,
+            "global": micro * grad_accum * data_parallel,
+            "definition": ("samples (PPO: prompts) per optimizer step over all data-parallel replicas; a step of the "
+                           "record is one optimizer step of grad_accum micro-batches (PPO: rollouts) per rank, each "
+                           "its own measured phase(s), their times summed and peaks maxed per step")}
 
 
 def merge_status(statuses: list[str]) -> str:
@@ -295,7 +305,9 @@ def _throughput(ranks: list[dict[str, Any]], warmup: int) -> dict[str, Any]:
             tokens = sum(s.get("tokens") or 0 for s in measured)
             samples = sum(s.get("samples") or 0 for s in measured)
             flops = sum(s.get("flops") or 0.0 for s in measured)
-            per_rank.append({"steps": len(measured), "time_s": time_s, "tokens": tokens, "samples": samples,
+            # a step may run a phase several times (grad_accum micro-batches): it counts once
+            per_rank.append({"steps": len({s["step"] for s in measured}), "time_s": time_s, "tokens": tokens,
+                             "samples": samples,
                              "flops": flops, "replica": r.get("data_parallel_rank", r["rank"])})
         if not per_rank:
             continue

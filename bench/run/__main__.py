@@ -88,9 +88,10 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
             return "skipped"
         sys.exit(2)
     if found and spec.batch != config["batch"]:
-        console.print(f"[yellow]preflight=shrink: batch {config['batch']} -> {spec.batch} "
+        accum = f", grad_accum {config.get('grad_accum', 1)} -> {spec.grad_accum}" if spec.global_batch else ""
+        console.print(f"[yellow]preflight=shrink: batch {config['batch']} -> {spec.batch}{accum} "
                       f"({found['verdict']['predicted_peak_bytes'] / 2**30:.2f} GiB predicted)[/yellow]")
-        config = {**config, "batch": spec.batch}
+        config = {**config, "batch": spec.batch, "grad_accum": spec.grad_accum}
     if sweeping:
         batch = oom_backstop(config, os.path.dirname(run_dir), run_dir)
         if batch is not None:

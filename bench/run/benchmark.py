@@ -15,7 +15,7 @@ import os
 from typing import Any
 
 from bench.measure.trend import soak_trends
-from bench.results.record import ResultRecord, StageRecord, stage_record, utc_now, write_json
+from bench.results.record import ResultRecord, StageRecord, batch_shape, stage_record, utc_now, write_json
 from bench.run.launcher import launch_stage, remove_torn_writes
 from bench.run.spec import (
     CheckpointSpec,
@@ -36,7 +36,8 @@ def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
     """DS-Chat's step 3 needs a step-2 reward model. When none is given, one is trained with fixed,
     cheap settings so that every PPO configuration of a sweep scores against the same RM."""
     return spec.replace(
-        stage="rm", precision="fp32", zero=0, lora=0, lora_targets=None, lora_alpha=None, offload=False,
+        stage="rm", precision="fp32", zero=0, lora=0, lora_targets=None, lora_alpha=None, grad_accum=1,
+        global_batch=None, offload=False,
         grad_ckpt=False, grad_clip=None, lr=None, plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(),
         checkpoint=CheckpointSpec(), resume=False,
         reference=FrozenRoleSpec(), reward=RewardSpec(), ds=CommSpec(),
@@ -138,7 +139,7 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     remove_torn_writes(run_dir)
     record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config,
                           harness_extension=registry.options_class(spec.framework).harness_extensions(spec),
-                          preflight=preflight)
+                          preflight=preflight, batch=batch_shape(spec.batch, spec.grad_accum, spec.data_parallel))
     record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}
     # resume=true: stages the interrupted run finished are kept as they were; the first unfinished one

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-from adapters.base import Adapter, Rollout, TrainOutput
+from adapters.base import Adapter, Experience, Rollout, TrainOutput, merge_micro
 from bench.measure.flops import Attention, phase_flops
 from bench.measure.live_tensors import LiveTensorProbe
 from bench.measure.memory import long_lived_frozen
@@ -232,28 +233,53 @@ class StageLoop:
         if self.adapter.shuttles_models:
             self._measure(direction, step, lambda: {"tokens": None, "samples": None, **self.adapter.shuttle(direction)})
 
+    def _rollout(self, step: int, index: int, figures: dict[str, float]) -> tuple[Experience, int]:
+        """One rollout of a PPO step (the `index`th prompt batch): generation and experience making, measured;
+        its reward, KL, value and preferred-token share added to `figures` as its share of the step's mean."""
+        k = self.spec.grad_accum
+        prompts = self.data.prompts(index)
+        self._shuttle("onload", step)
+        rollout = self._measure("generation", step, lambda: self.adapter.generate(prompts), _generation_context)
+        width = rollout.sequences.shape[1]
+        experience = self._measure("experience", step, lambda: self.adapter.make_experience(rollout), width)
+        self._shuttle("offload", step)
+        answers, mask = rollout.answers
+        figures["preferred_fraction"] += self.data.preferred_fraction(answers.cpu(), mask.cpu()) / k
+        figures["generated_tokens"] += rollout.generated_tokens
+        for key in ("reward", "kl", "value"):
+            figures[key] += getattr(experience, key) / k
+        return experience, width
+
     def _step(self, stage: str, step: int) -> dict[str, Any]:
+        """One optimizer step: grad_accum micro-batches (PPO: rollouts), each its own measured phase(s)."""
         record: dict[str, Any] = {"step": step}
+        k = self.spec.grad_accum
+        micro = [step * k + i for i in range(k)]  # every micro-batch draws its own data
         if stage == "sft":
-            batch = self.data.sft(step)
-            out = self._measure("training", step, lambda: self.adapter.sft_step(batch), batch.input_ids.shape[1])
+            def sft(i: int):
+                batch = self.data.sft(i)
+                return self._measure("training", step, lambda: self.adapter.sft_step(batch), batch.input_ids.shape[1])
+            out = merge_micro([sft(i) for i in micro])
         elif stage == "rm":
-            batch = self.data.preferences(step)
-            out = self._measure("training", step, lambda: self.adapter.rm_step(batch), batch.chosen_ids.shape[1])
+            def rm(i: int):
+                batch = self.data.preferences(i)
+                return self._measure("training", step, lambda: self.adapter.rm_step(batch), batch.chosen_ids.shape[1])
+            out = merge_micro([rm(i) for i in micro])
         else:
-            prompts = self.data.prompts(step)
-            self._shuttle("onload", step)
-            rollout = self._measure("generation", step, lambda: self.adapter.generate(prompts), _generation_context)
-            width = rollout.sequences.shape[1]
-            experience = self._measure("experience", step, lambda: self.adapter.make_experience(rollout), width)
-            self._shuttle("offload", step)
-            out = self._measure("training", step, lambda: self.adapter.ppo_train(experience), width)
-            answers, mask = rollout.answers
-            record.update(
-                reward=experience.reward, kl=experience.kl, value=experience.value,
-                preferred_fraction=self.data.preferred_fraction(answers.cpu(), mask.cpu()),
-                generated_tokens=rollout.generated_tokens,
-            )
+            # what each rollout leaves for the record; only trlx keeps a step's experiences for its update
+            figures = dict.fromkeys(("reward", "kl", "value", "preferred_fraction", "generated_tokens"), 0.0)
+            held, outs = [], []
+            for i in micro:
+                experience, width = self._rollout(step, i, figures)
+                if self.adapter.updates_after_all_rollouts:
+                    held.append((experience, width))
+                else:
+                    outs.append(self._measure("training", step, partial(self.adapter.ppo_train, [experience]), width))
+            if held:
+                outs.append(self._measure("training", step, partial(self.adapter.ppo_train, [e for e, _ in held]),
+                                          max(w for _, w in held)))
+            out = merge_micro(outs)
+            record.update(figures, generated_tokens=int(figures["generated_tokens"]))
         values = _train_values(out)
         if stage == "ppo":
             values.update(reward=record["reward"], kl=record["kl"], value=record["value"])

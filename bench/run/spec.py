@@ -326,6 +326,8 @@ class RunSpec:
     lora_targets: str | tuple[str, ...] | None = None  # which block layers get LoRA (lora_target_set)
     lora_alpha: float | None = None  # LoRA scaling numerator (scaling = alpha / rank); None: the framework's
     batch: int = 4
+    grad_accum: int = 1  # micro-batches per optimizer step on each data-parallel rank
+    global_batch: int | None = None  # stated samples per optimizer step: checked = batch x grad_accum x data parallel
     prompt_len: int = 16
     answer_len: int = 16
     steps: dict[str, int] = field(default_factory=lambda: {"sft": 20, "rm": 30, "ppo": 10})
@@ -361,6 +363,7 @@ class RunSpec:
         _choice("zero", self.zero, ZERO_STAGES)
         _int("lora", self.lora, 0)
         _int("batch", self.batch, 1)
+        _int("grad_accum", self.grad_accum, 1)
         _int("prompt_len", self.prompt_len, 2)
         _int("answer_len", self.answer_len, 2)
         _int("warmup_steps", self.warmup_steps, 0)
@@ -390,6 +393,14 @@ class RunSpec:
             raise SpecError(f"tp={self.tp} must divide model.heads={self.model.heads}")
         if self.pp > self.model.layers:
             raise SpecError(f"pp={self.pp} exceeds model.layers={self.model.layers}: a pipeline stage would be empty")
+        if self.global_batch is not None:
+            _int("global_batch", self.global_batch, 1)
+            if self.global_batch != self.effective_global_batch:
+                # DeepSpeed's own config check: train_batch_size = micro batch x accumulation x world size
+                raise SpecError(
+                    f"global_batch={self.global_batch} is not batch {self.batch} x grad_accum {self.grad_accum} x "
+                    f"{self.data_parallel} data-parallel rank(s) = {self.effective_global_batch}; change one of them "
+                    "(or leave global_batch null)")
         if self.lr is not None:
             _positive_float("lr", self.lr)
         for stage in self.stages:
@@ -444,6 +455,11 @@ class RunSpec:
     @property
     def data_parallel(self) -> int:
         return self.launcher.nproc // (self.tp * self.pp)
+
+    @property
+    def effective_global_batch(self) -> int:
+        """Samples (prompts, in PPO) per optimizer step over all data-parallel ranks."""
+        return self.batch * self.grad_accum * self.data_parallel
 
     @property
     def stages(self) -> tuple[str, ...]:
@@ -532,6 +548,8 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         lora_targets=_targets(cfg.get("lora_targets")),
         lora_alpha=cfg.get("lora_alpha"),
         batch=cfg["batch"],
+        grad_accum=cfg.get("grad_accum", 1),
+        global_batch=cfg.get("global_batch"),
         prompt_len=cfg["prompt_len"],
         answer_len=cfg["answer_len"],
         steps=steps,

@@ -132,6 +132,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result["computation_dtypes"] = adapter.computation_dtypes()
         result["quantized"] = adapter.quantized_roles()
         result["engine_knobs"] = adapter.engine_knobs()
+        if spec.grad_accum > 1:  # micro-batches and optimizer steps as the engines counted them
+            result["engine_knobs"]["accumulation"] = adapter.accumulation()
         if spec.lora:  # which layers the built models adapt, with which alpha
             result["engine_knobs"]["lora"] = adapter.lora_knobs()
         if adapter.reward_scaling is not None:  # what PPO's make_experience did to the RM's scores
