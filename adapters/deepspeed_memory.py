@@ -30,6 +30,17 @@ def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, preci
     return Terms(grads=half + fp32, buffers=bucket)
 
 
+def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, precision: str) -> float:
+    """What an engine keeps of the accumulated gradients between micro-batches (gradient_accumulation_steps
+    > 1): ZeRO-2/3 the rank's partition in the model's dtype (measured, DS-Chat PPO at glm-base ZeRO-2 on 2
+    ranks: the generation and experience phases of the second rollout hold 209 MiB more, actor + critic
+    partitions 208 MiB); ZeRO-0/1 the whole gradients on the parameters (not measured), except bf16 at ZeRO-0,
+    whose optimizer accumulates into the fp32 gradients it made at build (eager_gradient_bytes)."""
+    if eager_gradient_bytes(trainable, precision, zero):
+        return 0.0
+    return value_bytes * trainable / (dp if zero >= 2 else 1)
+
+
 def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str,
                      bucket_elements: int | None = None) -> Terms:
     """ZeRO-3's reduce bucket (`bucket_elements`, None for DeepSpeed's default), allocated with the engine and

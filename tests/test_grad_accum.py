@@ -8,6 +8,7 @@ import pytest
 
 from adapters.base import TrainOutput, merge_micro
 from bench.plan import preflight as pf
+from bench.plan.predict import physics
 from bench.results.record import _throughput, batch_shape
 from bench.run.config import compose
 from bench.run.spec import SpecError, spec_from_config
@@ -64,6 +65,21 @@ def test_shrink_keeps_a_stated_global_batch_by_accumulating_more() -> None:
     shrunk, found = pf.preflight(asked, "shrink", "cpu")
     assert shrunk.batch in (2, 4) and shrunk.batch * shrunk.grad_accum == 8
     assert shrunk.effective_global_batch == 16 and found["run_grad_accum"] == shrunk.grad_accum
+
+
+def _ppo_phases(framework: str, grad_accum: int) -> dict:
+    return physics(spec_from_config(compose([f"framework={framework}", "stage=ppo", "model=glm-base", "batch=2",
+                                             "prompt_len=128", "answer_len=128", "launcher.nproc=2", "precision=bf16",
+                                             "zero=2", f"grad_accum={grad_accum}"])), "ppo")
+
+
+def test_dschat_model_holds_the_gradient_partitions_through_the_next_rollout() -> None:
+    # glm-base ZeRO-2 on 2 ranks: actor 108,943,872 and critic 108,944,640 trained parameters, half of each in
+    # bf16 on a rank = 217,888,512 bytes (208 MiB; measured: 209 MiB more in generation)
+    one, two = _ppo_phases("dschat", 1), _ppo_phases("dschat", 2)
+    for phase in ("generation", "experience"):
+        assert two[phase].device - one[phase].device == 217_888_512
+    assert two["training"].device == one["training"].device  # the step's own gradients are there either way
 
 
 @pytest.mark.slow

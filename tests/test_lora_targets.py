@@ -9,6 +9,7 @@ import pytest
 from adapters.colossalai import memory as coati
 from adapters.colossalai.lora_match import matched_layers
 from adapters.dschat import memory as dschat
+from adapters.dschat.options import DSChatOptions, lora_module_names
 from adapters.lora_targets import lora_layout
 from adapters.trlx import memory as trlx
 from bench.plan.physics import Arch, lora_linear_inputs
@@ -55,6 +56,19 @@ def test_lora_parameters_per_target_set_by_hand() -> None:
                                                                                "mlp_out")) == 7
 
 
+def test_dschat_takes_one_substring_where_one_selects_the_set() -> None:
+    assert lora_module_names(None, "h.") == ("h.",) == lora_module_names(("qkv", "attn_out", "mlp_in", "mlp_out"),
+                                                                          "h.")
+    assert lora_module_names(("qkv",), "h.") == ("attn.c_attn",)
+    assert lora_module_names(("qkv", "attn_out"), "h.") == ("attn.",)
+    assert lora_module_names(("mlp_in", "mlp_out"), "h.") == ("mlp.",)
+    assert lora_module_names(("qkv", "mlp_out"), "h.") == ("attn.c_attn", "mlp.c_proj")  # a harness extension
+    tagged = [e["knob"] for e in DSChatOptions.harness_extensions(spec("lora=4", "lora_targets=[qkv,mlp_out]",
+                                                                       "lora_alpha=2"))]
+    assert tagged == ["lora_targets=('qkv', 'mlp_out')", "lora_alpha=2"]
+    assert DSChatOptions.harness_extensions(spec("lora=4", "lora_targets=attention")) == []
+
+
 def test_coati_matches_a_childs_own_name() -> None:
     # GPT-2 names the attention output and the MLP output both c_proj: either target converts both
     assert matched_layers(("qkv",)) == ("qkv",)
@@ -89,7 +103,7 @@ def test_lora_layout_reads_each_implementation() -> None:
     from adapters.dschat.lora import convert_to_lora as dschat_convert
 
     ds = build_causal_lm(MODEL)
-    dschat_convert(ds, "h.", 4, exclude=("mlp.c_fc", "mlp.c_proj"), lora_scaling=2.0)
+    dschat_convert(ds, lora_module_names(("qkv", "attn_out"), "h."), 4, lora_scaling=2.0)
     co = build_causal_lm(MODEL)
     coati_convert(co, 4, LoraOptions(alpha=8.0), target_modules=["mlp.c_fc"])
     full = build_causal_lm(MODEL)

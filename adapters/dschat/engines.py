@@ -18,8 +18,8 @@ import torch
 from adapters.comm_knobs import deepspeed_comm
 from adapters.dschat import ds_config, fp16_zero0
 from adapters.dschat.lora import UPSTREAM_LORA_SCALING, convert_to_lora, only_optimize_lora
+from adapters.dschat.options import lora_module_names
 from adapters.dschat.reward_model import RewardModel
-from adapters.lora_targets import BLOCK_LAYERS
 from bench.run.models import build_backbone, build_causal_lm, set_dropout
 
 _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
@@ -94,12 +94,9 @@ class Engines:
                     keep_trainable: tuple[str, ...]) -> None:
         if not rank:
             return
-        targets = self.spec.lora_target_set
-        # lora_targets: the block layers left out become lora_exclude_module_names (upstream's own narrowing)
-        exclude = tuple(suffix for name, suffix in BLOCK_LAYERS.items() if targets and name not in targets)
+        names = lora_module_names(self.spec.lora_target_set, self.options.lora_module_name)
         with self._zero3(config):
-            converted = convert_to_lora(model, self.options.lora_module_name, rank, exclude,
-                                        self.spec.lora_alpha_or(UPSTREAM_LORA_SCALING))
+            converted = convert_to_lora(model, names, rank, self.spec.lora_alpha_or(UPSTREAM_LORA_SCALING))
         if converted == 0:
             raise ValueError(
                 f"framework.lora_module_name={self.options.lora_module_name!r} matches no linear layer: LoRA "

@@ -3,9 +3,8 @@
 Kept faithful where it matters for memory and numerics: rank r factors named `lora_right_weight`
 (d_in x r, kaiming-uniform) and `lora_left_weight` (r x d_out, zeros), scaling = lora_scaling / r with
 lora_scaling = 1 (effective alpha 1; the common `lora_alpha` sets it), no dropout, every linear whose name
-contains a substring converted, less any whose name contains one of `lora_exclude_module_names` (upstream's
-way to narrow the set, through which the common `lora_targets` reaches DS-Chat). LinearLayer_LoRA freezes
-only the weight it wraps: its bias and every unconverted parameter keep training unless the opt-in
+contains a substring converted (`lora_targets` picks the substring, options.lora_module_names). LinearLayer_LoRA
+freezes only the weight it wraps: its bias and every unconverted parameter keep training unless the opt-in
 `only_optimize_lora` freezes everything else. It also wraps GPT-2's Conv1D (a linear with a transposed
 weight), which the GLM-shaped stand-in uses for its fused QKV and MLP.
 """
@@ -45,16 +44,16 @@ class LoRALinear(nn.Module):
         return weight + (delta if isinstance(self.base, Conv1D) else delta.t())
 
 
-def convert_to_lora(model: nn.Module, module_name: str, rank: int, exclude: tuple[str, ...] = (),
+def convert_to_lora(model: nn.Module, module_names: str | tuple[str, ...], rank: int,
                     lora_scaling: float = 1.0) -> int:
-    """Replace every Linear/Conv1D whose qualified name contains `module_name` and none of `exclude` (upstream's
-    lora_exclude_module_names); `lora_scaling` is upstream's argument of that name (scripts leave it 1).
-    Returns how many layers were converted."""
+    """Replace every Linear/Conv1D whose qualified name contains `module_names` (upstream takes one substring;
+    several convert every layer any of them names); `lora_scaling` is upstream's argument of that name (the
+    scripts leave it 1). Returns how many layers were converted."""
+    names = (module_names,) if isinstance(module_names, str) else module_names
     targets = [
         name
         for name, module in model.named_modules()
-        if module_name in name and not any(x in name for x in exclude)
-        and isinstance(module, (nn.Linear, Conv1D)) and not name.endswith("lm_head")
+        if any(n in name for n in names) and isinstance(module, (nn.Linear, Conv1D)) and not name.endswith("lm_head")
     ]
     for name in targets:
         parent_name, _, child = name.rpartition(".")

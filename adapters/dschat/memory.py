@@ -11,7 +11,13 @@ map keeps its input for a gradient whatever the targets.
 
 from __future__ import annotations
 
-from adapters.deepspeed_memory import eager_gradient_bytes, engine_build, gradient_terms, resident_buffers
+from adapters.deepspeed_memory import (
+    eager_gradient_bytes,
+    engine_build,
+    gradient_terms,
+    held_gradient_bytes,
+    resident_buffers,
+)
 from bench.plan.physics import ALL_LORA_LAYERS, Terms, peak
 from bench.plan.run_shape import (
     RunShape,
@@ -102,9 +108,14 @@ def predict(shape: RunShape) -> dict[str, Terms]:
                                                 dropout=bool(shape.options.get("actor_dropout")))
     critic_pass = critic_grads + forward_backward(shape, shape.batch, seq, dropout=critic_dropout)
     heavier = actor_pass if actor_pass.device >= critic_pass.device else critic_pass
+    # grad_accum > 1: each rollout's update runs before the next rollout, so the accumulated gradients of both
+    # trained engines stay through the next generation and experience making
+    trained = (("actor", shape.lora), ("critic", shape.options.get("critic_lora_dim", 0)))
+    held = Terms(grads=sum(held_gradient_bytes(role_params(shape, role, rank)[1], vb, zero, dp, shape.precision)
+                           for role, rank in trained)) if shape.grad_accum > 1 else Terms()
     return {
         "init": init,
-        "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
-        "experience": resident + generation_cache(shape, copies=2) + forward_only(shape, shape.batch, seq, 3),
+        "generation": resident + held + generation_cache(shape) + forward_only(shape, shape.batch, 1),
+        "experience": resident + held + generation_cache(shape, copies=2) + forward_only(shape, shape.batch, seq, 3),
         "training": resident + eager + heavier,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from adapters.lora_targets import BLOCK_LAYERS, suffixes
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -16,6 +17,20 @@ from bench.run.spec import (
 )
 
 OPTIMIZERS = ("fused_adam", "torch_adamw")
+
+
+def lora_module_names(targets: tuple[str, ...] | None, default: str) -> tuple[str, ...]:
+    """The substrings that select `targets` (lora_targets) the way DS-Chat's --*_lora_module_name does: one
+    where a single substring selects exactly that set (the default for all four, "attn." for attention,
+    "mlp." for both MLP maps, a layer's own qualified suffix); else one per layer."""
+    if targets is None or set(targets) == set(BLOCK_LAYERS):
+        return (default,)
+    if len(targets) == 1:
+        return (BLOCK_LAYERS[targets[0]],)
+    for prefix in ("attn.", "mlp."):
+        if {t for t, suffix in BLOCK_LAYERS.items() if suffix.startswith(prefix)} == set(targets):
+            return (prefix,)
+    return tuple(suffixes(targets))
 
 
 @dataclass(frozen=True)
@@ -90,6 +105,12 @@ class DSChatOptions:
         """Knobs of this run DS-Chat's own scripts cannot run."""
         options = cls.from_dict(spec.framework_options)
         found = []
+        if spec.lora and len(lora_module_names(spec.lora_target_set, options.lora_module_name)) > 1:
+            found.append({"knob": f"lora_targets={spec.lora_targets}", "reason": "--actor_lora_module_name is one "
+                          "substring; no single one selects these layers (the harness converts each by its name)"})
+        if spec.lora and spec.lora_alpha is not None:
+            found.append({"knob": f"lora_alpha={spec.lora_alpha}", "reason": "no DS-Chat script passes "
+                          "convert_linear_layer_to_lora's lora_scaling (upstream's alpha is 1)"})
         if spec.precision == "fp32":
             found.append({"knob": "precision=fp32", "reason": "DS-Chat's --dtype takes fp16 or bf16 only"})
         if options.optimizer == "torch_adamw":

@@ -45,6 +45,7 @@ class RunShape:
     quant_library: str = "torchao"
     reduce_bucket: int | None = None  # ds.reduce_bucket_size (values); None: each engine's default
     lora_targets: tuple[str, ...] | None = None  # block layers with LoRA (lora_targets); None: each framework's
+    grad_accum: int = 1  # micro-batches (PPO: rollouts) per optimizer step
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
 
     @classmethod
@@ -58,7 +59,7 @@ class RunShape:
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
                    device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)),
                    quant_library=spec.quant_library, reduce_bucket=spec.ds.reduce_bucket_size,
-                   lora_targets=spec.lora_target_set)
+                   lora_targets=spec.lora_target_set, grad_accum=spec.grad_accum)
 
     @property
     def value_bytes(self) -> int:
