@@ -122,11 +122,15 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq, linear_inputs=inputs)
     actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4, linear_inputs=inputs)
     heavier = update if update.device >= actor_pass.device else actor_pass
+    # grad_accum > 1: coati's counter steps after the last rollout's update, so the earlier ones' gradients stay
+    # in the ZeRO grad store (the rank's partition at ZeRO-2, whole below) through the next rollouts
+    held = Terms(grads=sum(vb * role_params(shape, role, shape.lora)[1] / (dp if zero >= 2 else 1)
+                           for role in ("actor", "critic"))) if shape.grad_accum > 1 else Terms()
     return {
         "init": init,
-        "onload": resident,
-        "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
-        "experience": resident + forward_only(shape, shape.batch, seq, logits_copies=3),
-        "offload": resident,
+        "onload": resident + held,
+        "generation": resident + held + generation_cache(shape) + forward_only(shape, shape.batch, 1),
+        "experience": resident + held + forward_only(shape, shape.batch, seq, logits_copies=3),
+        "offload": resident + held,
         "training": resident + heavier,
     }
