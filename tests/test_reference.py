@@ -42,7 +42,9 @@ def test_sft_rm_ppo_pipeline_runs_on_each_layout(run_bench, zero, precision, lor
               "2": "layout: FSDP2 fully_shard(reshard_after_forward=False);", "3": "layout: FSDP2 fully_shard;"}
     assert any(note.startswith(layout[zero]) for note in ppo["notes"]), ppo["notes"]
     assert set(ppo["params"]) == {"actor", "critic", "ref", "reward"}
-    assert ppo["engine_knobs"] == {"grad_clip": {"actor": 1.0, "critic": 1.0}, "reward_normalize": {"mode": "none"}}
+    lora_layout = {"targets": ["qkv", "attn_out", "mlp_in", "mlp_out"], "other": [], "alpha": 32.0}  # peft's
+    assert ppo["engine_knobs"] == {"grad_clip": {"actor": 1.0, "critic": 1.0}, "reward_normalize": {"mode": "none"},
+                                   **({"lora": dict.fromkeys(("actor", "critic"), lora_layout)} if lora != "0" else {})}
     state = ppo["model_state"]
     assert state["ref"]["optimizer_state_bytes_per_rank"] == [0, 0] == state["reward"]["optimizer_state_bytes_per_rank"]
     actor = record["stages"]["sft"]["params"]["actor"]
