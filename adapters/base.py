@@ -136,8 +136,8 @@ class Experience:
 
     payload: Any
     reward: float  # mean reward-model score on this rank
-    kl: float  # mean per-token KL estimate to the reference
-    value: float  # mean critic value
+    kl: float | None  # mean per-token KL estimate to the reference (None: the stage computes none here, GRPO)
+    value: float | None  # mean critic value (None: no critic, GRPO)
     tokens: int  # real tokens run through each inference model
     samples: int
 

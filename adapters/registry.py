@@ -16,6 +16,9 @@ class AdapterEntry:
     options: str  # "module:Class" of the option validator (imports no framework)
     adapter: str  # "module:Class" of the adapter (imports the framework lazily)
     memory: str | None = None  # "module:function" of its memory model (bench.plan; imports no framework)
+    # stages its upstream cannot run, each with the reason a user is told
+    unsupported: tuple[tuple[str, str], ...] = (("grpo", "it has no GRPO trainer (only TRL's GRPOTrainer runs "
+                                                         "stage=grpo: framework=trl)"),)
 
 
 _ENTRIES: dict[str, AdapterEntry] = {
@@ -34,6 +37,11 @@ _ENTRIES: dict[str, AdapterEntry] = {
         memory="adapters.trlx.memory:predict",
         adapter="adapters.trlx.adapter:TrlxAdapter",
     ),
+    "trl": AdapterEntry(  # Hugging Face TRL, the package itself (package `hf_trl`: not `trl`)
+        options="adapters.hf_trl.options:TrlOptions",
+        adapter="adapters.hf_trl.adapter:TrlAdapter",
+        unsupported=(),
+    ),
     "torch": AdapterEntry(  # the plain-PyTorch reference, the yardstick (package `reference`: not `torch`)
         options="adapters.reference.options:ReferenceOptions",
         adapter="adapters.reference.adapter:ReferenceAdapter",
@@ -48,6 +56,15 @@ def names() -> tuple[str, ...]:
 def _load(path: str) -> Any:
     module, _, attr = path.partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_stages(name: str, stages: tuple[str, ...]) -> None:
+    """Refuses a stage the framework's upstream does not have, naming why."""
+    from bench.run.spec import UnsupportedError
+
+    for stage, why in _ENTRIES[name].unsupported:
+        if stage in stages:
+            raise UnsupportedError(f"stage={stage} with framework={name}: {why}")
 
 
 def options_class(name: str) -> Any:

@@ -48,6 +48,7 @@ def plain_pytorch_sft_losses(overrides: list[str], steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # 67 s: the slow tier since TRL's engine tests joined CI's 25 minutes (scripts/test_slow.sh)
 @pytest.mark.skipif(not ON_CPU, reason="the ddp plugin on a GPU runs TF32/cuBLAS kernels: not bitwise a CPU loop")
 def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop_and_the_reference(run_bench):
     overrides = [CAI, "stage=sft", "steps=6", "launcher.device=cpu", "precision=fp32"]

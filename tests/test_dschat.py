@@ -261,6 +261,7 @@ def test_a_rank_killed_by_sigkill_is_an_oom_and_the_other_rank_keeps_what_it_mea
     assert sft["ranks"] == 1 and sft["memory"]["phases"]["training"]["peak_bytes_per_rank"][0] > 0
 
 
+@pytest.mark.slow  # 38 s: the slow tier since TRL's engine tests joined CI's 25 minutes (scripts/test_slow.sh)
 def test_a_run_past_its_timeout_keeps_what_it_measured_marked_as_cut_short(run_bench):
     record = run_bench("stage=sft", "launcher.timeout_s=35", "steps=1000000", TORCH_ADAMW)
     sft = record["stages"]["sft"]

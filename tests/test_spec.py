@@ -161,7 +161,7 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
 @pytest.mark.parametrize(
     ("args", "expected"),
     [
-        (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, torch, trlx"]),
+        (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, torch, trl, trlx"]),
         (["-m", "framework=dschat,foo"], ["framework='foo' is not allowed"]),
         (["stage=train"], ["stage='train' is not allowed", "pipeline, ppo, rm, sft"]),
         (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, tiny"]),
@@ -246,8 +246,8 @@ def test_the_glm_ladder_has_the_published_sizes(preset, low, high):
 
 
 def test_steps_override_applies_to_this_runs_stages_only():
-    assert spec("steps=5").steps == {"sft": 20, "rm": 30, "ppo": 5}
-    assert spec("steps=5", "stage=pipeline").steps == {"sft": 5, "rm": 5, "ppo": 5}
+    assert spec("steps=5").steps == {"sft": 20, "rm": 30, "ppo": 5, "grpo": 10}
+    assert spec("steps=5", "stage=pipeline").steps == {"sft": 5, "rm": 5, "ppo": 5, "grpo": 10}
 
 
 def test_stage_lr_override_applies_to_the_main_role_only():

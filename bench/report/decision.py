@@ -23,7 +23,7 @@ from bench.results.collect import YARDSTICK, is_forced_failure
 MIB = 1024.0 * 1024.0
 STABLE = ("stable", "recovered")
 CLOSE_CALL = 1.10  # a lead under 10 % (or overlapping spreads) is within run-to-run noise on shared machines
-STAGE_PREFERENCE = ("ppo", "rm", "sft")
+STAGE_PREFERENCE = ("ppo", "rm", "sft", "grpo")  # grpo (TRL only) is decided on its own, never pooled with ppo
 MIN_REPEATS = 3  # runs per cell, or timed steps of one run, before a lead can be judged against noise
 FINETUNE = (("full fine-tuning", "full"), ("LoRA", "lora"),
             ("partial freezing (only some blocks train, e.g. trlx's hydra policy)", "partial"))

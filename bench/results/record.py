@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.measure.flops import FORMULA
+from bench.run.spec import ROLLOUT_STAGES
 
 SCHEMA_VERSION = 2  # 2: growth over the post-import baseline, an `imports` phase, CUDA peaks on allocated bytes
 STATUSES = ("ok", "oom", "nan", "unsupported", "error", "timeout", "skipped")
@@ -419,7 +420,7 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
     if stage in ("sft", "rm"):
         role = "actor" if stage == "sft" else "reward"
         learning["loss_curve"] = [s.get(f"loss/{role}") for s in steps]
-    if stage == "ppo" and steps:
+    if stage in ROLLOUT_STAGES and steps:
         window = max(1, min(10, len(steps) // 3))
         rewards = [s.get("reward") for s in steps]
         learning.update(

@@ -24,7 +24,7 @@ from bench.measure.stability import StabilityTracker
 from bench.run.checkpoint import Checkpointer, latest_complete, set_rng_state
 from bench.run.data import SyntheticData
 from bench.run.reward_stats import STAT_BATCHES, Moments, heldout_statistics
-from bench.run.spec import RunSpec
+from bench.run.spec import ROLLOUT_STAGES, RunSpec
 
 
 class StepObserver(Protocol):
@@ -135,7 +135,7 @@ class StageLoop:
         self._roles = self.adapter.phase_roles[stage]
         with self.tracker.phase("init"):
             self.adapter.setup(stage, init)
-            if stage == "ppo":
+            if stage == "ppo":  # GRPO's reward is a function of the answer: nothing to scale
                 self.adapter.set_reward_scaling(init)
             first = self._resume(stage, checkpoints) if self.spec.resume and checkpoints else 0
         every = self.spec.checkpoint.every if checkpoints else 0
@@ -144,7 +144,7 @@ class StageLoop:
         self._counts = self.adapter.params()
         self._attention = self.adapter.attention()
         # What is alive at the moments that set the experience peak (first step only; armed after setup).
-        probe = LiveTensorProbe(self.adapter.probe_points()) if stage == "ppo" else None
+        probe = LiveTensorProbe(self.adapter.probe_points()) if stage in ROLLOUT_STAGES else None
         self.stability = StabilityTracker(self.spec.stability.stop_after_nonfinite,
                                           self.spec.stability.skip_storm_len, self.spec.stability.skip_rate_storm)
         if stage == "rm":  # a resumed RM has trained already: no "before training" accuracy
@@ -247,7 +247,8 @@ class StageLoop:
         figures["preferred_fraction"] += self.data.preferred_fraction(answers.cpu(), mask.cpu()) / k
         figures["generated_tokens"] += rollout.generated_tokens
         for key in ("reward", "kl", "value"):
-            figures[key] += getattr(experience, key) / k
+            value = getattr(experience, key)
+            figures[key] = None if value is None or figures[key] is None else figures[key] + value / k
         return experience, width
 
     def _step(self, stage: str, step: int) -> dict[str, Any]:
@@ -281,8 +282,8 @@ class StageLoop:
             out = merge_micro(outs)
             record.update(figures, generated_tokens=int(figures["generated_tokens"]))
         values = _train_values(out)
-        if stage == "ppo":
-            values.update(reward=record["reward"], kl=record["kl"], value=record["value"])
+        if stage in ROLLOUT_STAGES:
+            values.update({key: record[key] for key in ("reward", "kl", "value") if record[key] is not None})
         record.update({f"loss/{r}": v for r, v in out.losses.items()})
         record.update({f"grad_norm/{r}": v for r, v in out.grad_norms.items()})
         record.update({f"skipped/{r}": v for r, v in out.skipped.items()})

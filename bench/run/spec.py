@@ -17,8 +17,13 @@ from bench.measure.trend import MIN_POINTS, first_fitted_step
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
-STAGES = ("sft", "rm", "ppo")
-STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "pipeline": ("sft", "rm", "ppo")}
+STAGES = ("sft", "rm", "ppo", "grpo")
+# grpo: group-relative policy optimisation with the synthetic preferred-token reward (no critic, no reward model);
+# only frameworks that ship it run it (registry.stage_support)
+STAGE_CHOICES = {"sft": ("sft",), "rm": ("rm",), "ppo": ("ppo",), "grpo": ("grpo",),
+                 "pipeline": ("sft", "rm", "ppo")}
+# Stages that roll out: generation, experience and training phases each step
+ROLLOUT_STAGES = ("ppo", "grpo")
 WANDB_MODES = ("off", "online", "offline")
 PREFLIGHT_MODES = ("off", "on", "shrink")
 DEVICES = ("auto", "cpu", "cuda")
@@ -330,7 +335,7 @@ class RunSpec:
     global_batch: int | None = None  # stated samples per optimizer step: checked = batch x grad_accum x data parallel
     prompt_len: int = 16
     answer_len: int = 16
-    steps: dict[str, int] = field(default_factory=lambda: {"sft": 20, "rm": 30, "ppo": 10})
+    steps: dict[str, int] = field(default_factory=lambda: {"sft": 20, "rm": 30, "ppo": 10, "grpo": 10})
     warmup_steps: int = 2
     lr: float | None = None
     seed: int = 1234
@@ -580,5 +585,6 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         launcher=LauncherSpec(**dict(cfg["launcher"])),
         stability=StabilitySpec(**dict(cfg["stability"])),
     )
+    registry.check_stages(name, spec.stages)
     registry.options_class(name).validate(spec)
     return spec
