@@ -3,7 +3,7 @@
 # 128 prompt + 128 answer tokens, 3 repeats (seeds 1-3) per cell, per-step times kept in every record.
 #
 # Cells (see the README's "CPU benchmark sweep" for the measured time of each block):
-#   A  full fine-tuning at ZeRO 0 / 2 / 3 in bf16                        (the ZeRO axis)
+#   A  full fine-tuning at ZeRO 0 / 2 / 3 in bf16                        (the ZeRO axis; TRL too)
 #   B  LoRA 64 at ZeRO-2 in bf16                                         (LoRA against A's ZeRO-2 cells)
 #   C  each framework's upstream precision (dschat and colossalai fp16, trlx fp32) at ZeRO-2, full and LoRA 64
 #   D  PPO at 1 rank, bf16, ZeRO-2, full                                 (the ranks axis: 1 vs A's 2)
@@ -46,7 +46,7 @@ steps() { [ "${2:-}" = fp16 ] && echo 8 || echo 4; }
 for block in $blocks; do
   case $block in
     A) for stage in $stages; do
-         sweep glm-base 2 framework=dschat,colossalai,trlx stage=$stage steps="$(steps $stage)" \
+         sweep glm-base 2 framework=dschat,colossalai,trlx,trl stage=$stage steps="$(steps $stage)" \
            precision=bf16 zero=$zeros lora=0 seed=$seeds
        done ;;
     B) for stage in $stages; do
