@@ -249,3 +249,22 @@ def test_trl_learns_over_30_steps(run_bench, stage) -> None:
     record = run_bench("framework=trl", f"stage={stage}", "steps=30", "launcher.nproc=2")
     rewards = [s["reward"] for s in record["stages"][stage]["steps"]]
     assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10
+
+
+def test_the_report_sets_trl_against_trlx_phase_by_phase() -> None:
+    from bench.report.trl_vs_trlx import trl_vs_trlx_table
+
+    shared = {"stage": "ppo", "model": "glm-base", "precision": "bf16", "zero": 2, "lora": 0, "batch": 2, "nproc": 2}
+    rows, cells = [], {}
+    for framework, growth, seconds in (("trl", (900, 1000), (3.0, 3.2)), ("trlx", (400,), (2.0,))):
+        cells[framework] = {**{k: v for k, v in shared.items() if k != "stage"}, "framework.name": framework}
+        for mib, s in zip(growth, seconds + (None,) * (len(growth) - len(seconds)), strict=True):
+            rows.append({**shared, "framework": framework, "cell": framework, "status": "ok",
+                         "growth_generation_bytes": mib * 2**20, "time_s_per_step_generation": s})
+    rows.append({**shared, "stage": "sft", "framework": "dschat", "cell": "other", "status": "ok"})
+    cells["other"] = {"framework.name": "dschat"}
+    (table,) = trl_vs_trlx_table(rows, cells)
+    generation = next(r for r in table.rows if r[2] == "generation")
+    assert generation[3:7] == ["950 ±50 (n=2)", "400", "3.10 ±0.10 (n=2)", "2.00"]
+    assert "output_scores" in generation[7]
+    assert trl_vs_trlx_table([r for r in rows if r["framework"] != "trlx"], cells) == []

@@ -24,6 +24,7 @@ from bench.report import (
     render,
     soak,
     tables,
+    trl_vs_trlx,
     yardstick,
 )
 from bench.results.collect import collect
@@ -63,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         tables=tables.all_tables(collection.rows, collection.cells)
         + [differences.differences_table(collection.rows, collection.cells)]
         + yardstick.yardstick_tables(collection.rows, collection.cells)
+        + trl_vs_trlx.trl_vs_trlx_table(collection.rows, collection.cells)
         + soak.soak_table(collection.rows, collection.records)
         + checkpoints.checkpoint_table(collection.rows, collection.cells)
         + fixed_cost.fixed_cost_table(collection.rows)

@@ -35,7 +35,7 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "quant_library": "bitsandbytes",  # the only library before the key existed
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
               "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None,
-              "grad_accum": 1}
+              "grad_accum": 1, "stage_steps.grpo": 10}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
