@@ -312,6 +312,8 @@ class TrlAdapter(Adapter):
 
     def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
         logs = self.driver.advance("step_end")
+        for unread in ("micro", "micro_loss"):  # training_step's captures: counted from the experiences here
+            self.captured.take(unread)
         out = TrainOutput(losses={}, tokens=0, samples=0)
         if self._stage == "grpo":
             self._record(out, "actor", logs["loss"], logs.get("grad_norm"))
