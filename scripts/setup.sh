@@ -5,6 +5,7 @@
 #   PYTHON       interpreter that creates the venv (default python3, >= 3.10)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$(date +%s)
 
 # DeepSpeed JIT-compiles its C++ ops (shm_comm on every CPU init, FusedAdam, CPUAdam): g++ is required.
 # Debian's chromium renders the HTML report in the report test (SKIP_CHROMIUM=1 leaves it out; that test
@@ -23,24 +24,41 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
   fi
 fi
 
-# pip's exit status is kept; only the noise about this machine's missing local indexes is dropped.
-pip_install() { .venv/bin/python -m pip install -q "$@" 2> >(grep -v "^WARNING: Location" >&2); }
-
 [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+# Everything pip prints goes to .venv/setup.log; the terminal gets what needs a reader (scripts/pip_quiet.py:
+# not the resolver's report about colossalai's unused requirements, which is summed up in one line at the end).
+log=.venv/setup.log
+: > "$log"
+pip_install() { .venv/bin/python -m pip install -q "$@" 2>&1 | .venv/bin/python scripts/pip_quiet.py "$log"; }
+
 pip_install --upgrade pip
 # torch first and alone, so that no other requirement can pull a multi-GB CUDA build of it.
+echo "setup: torch (${TORCH_SPEC:-torch==2.13.0})"
 pip_install "${TORCH_SPEC:-torch==2.13.0}"
+echo "setup: rlhf-bench and its pinned engines (pyproject.toml)"
 pip_install -e ".[dev]"
 # colossalai 0.5.0 declares torch<=2.5.1, ray, diffusers, fabric, ... but imports only a few of them: it is
 # installed without dependencies, then the modules its booster imports, with the installed torch held fixed.
 # Pinned because the adapter's CPU compatibility layer patches 0.5.0's internals. Its transformers==4.51.3
 # and peft<=0.13.2 pins are the project's own (pyproject.toml).
+echo "setup: colossalai 0.5.0 and the modules its booster imports"
 torch_now=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 constraints=$(mktemp)
 echo "torch==$torch_now" > "$constraints"
 pip_install --no-deps "colossalai==0.5.0"
 pip_install -c "$constraints" "einops==0.8.2" "galore-torch==1.0" "bitsandbytes==0.50.2"
 rm -f "$constraints"
-.venv/bin/python -c "import torch, deepspeed, transformers, colossalai; print('setup: torch', torch.__version__, \
-'deepspeed', deepspeed.__version__, 'colossalai', colossalai.__version__, 'transformers', transformers.__version__)" \
-  2>/dev/null
+.venv/bin/python scripts/pip_quiet.py --summary "$log"
+# The engines must import; what they print on import (DeepSpeed's accelerator notice) belongs in the log.
+if ! .venv/bin/python -c "import torch, deepspeed, transformers, colossalai, trl" >> "$log" 2>&1; then
+  echo "setup: importing the engines failed; the end of $log:" >&2
+  tail -n 20 "$log" >&2
+  exit 1
+fi
+.venv/bin/python - "$(( $(date +%s) - started ))" <<'EOF'
+import sys
+from importlib.metadata import version
+
+names = ("torch", "deepspeed", "colossalai", "transformers", "trl")
+print(f"setup: ready in {sys.argv[1]} s:", ", ".join(f"{name} {version(name)}" for name in names))
+EOF

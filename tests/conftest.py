@@ -18,7 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 @pytest.fixture(scope="session")
 def rm_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """One cache of prerequisite reward models for the whole session (PPO runs without init.rm)."""
+    """One cache of prerequisite models for the whole session (PPO runs without init.rm or init.sft)."""
     return str(tmp_path_factory.mktemp("rm-cache"))
 
 
@@ -27,9 +27,13 @@ def run_bench(tmp_path, rm_cache) -> Callable[..., dict[str, Any]]:
     """Runs `bench` with Hydra overrides for real and returns the record as written on disk."""
 
     def run(*overrides: str, name: str = "run") -> dict[str, Any]:
+        # PPO from random base weights unless a test asks for an actor: a prerequisite SFT model per
+        # configuration would cost CI minutes that tests of memory, lifetimes and engines do not need
+        if not any(o.startswith("init.sft") for o in overrides):
+            overrides = (*overrides, "init.sft_prerequisite=false")
         config = compose(list(overrides))
         spec = spec_from_config(config)
-        record = run_benchmark(spec, str(tmp_path / name), config, rm_cache, echo=False)
+        record = run_benchmark(spec, str(tmp_path / name), config, rm_cache)
         import json
 
         with open(tmp_path / name / "record.json") as f:

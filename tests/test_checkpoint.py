@@ -109,7 +109,8 @@ def _bench(root: Path, name: str, *overrides: str) -> subprocess.Popen:
     # DS-Chat: its step 3 keeps no running statistics outside the engines (trlx's resume loses its reward
     # scaling, an upstream defect the record marks), so a resumed run can match an uninterrupted one
     cmd = [sys.executable, "-m", "bench.run", "stage=ppo", "steps=24", "warmup_steps=1", "precision=fp32",
-           TORCH_ADAMW, "checkpoint.every=4", f"output_root={root}", f"run_name={name}", *overrides]
+           TORCH_ADAMW, "checkpoint.every=4", "init.sft_prerequisite=false", f"output_root={root}",
+           f"run_name={name}", *overrides]
     with open(root / f"{name}.log", "a") as log:  # a file, not a pipe: nobody reads while it runs
         return subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)

@@ -8,6 +8,7 @@ need DS-Chat's own optimizers (FusedAdam, DeepSpeedCPUAdam) use them.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -271,16 +272,38 @@ def test_a_run_past_its_timeout_keeps_what_it_measured_marked_as_cut_short(run_b
     assert len(sft["steps"]) == cut["steps_done"] and sft["memory"]["phases"]["training"]["peak_bytes"] > 0
 
 
+# What DeepSpeed, torchao, torch and transformers print on their own: it belongs in the stage logs
+ENGINE_CHATTER = ("begin bf16_optimizer", "CPU Virtual Memory", "[WARNING]", "FutureWarning", "loss_type=None",
+                  "Setting accelerator to CPU", "Failed to load", "built successfully", "UserWarning")
+
+
 def test_readme_command_prints_a_table_and_writes_a_record(tmp_path):
+    """The README's first command as a newcomer runs it: its terminal holds the progress lines, the table and
+    the closing lines, none of the engines' chatter (which the stage logs keep); PPO starts from the cached
+    prerequisite SFT model and scores with the prerequisite RM."""
     proc = subprocess.run(
         [sys.executable, "-m", "bench.run", "framework=dschat", "zero=2", "precision=bf16",
          f"output_root={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=900,
+        cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ, COLUMNS="80"),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "peak MiB" in proc.stdout and "ppo: ok" in proc.stdout
-    records = list(tmp_path.glob("runs/*/record.json"))
-    assert len(records) == 1 and json.loads(records[0].read_text())["status"] == "ok"
+    terminal = proc.stdout + proc.stderr
+    assert "peak" in proc.stdout and "MiB" in proc.stdout and "ppo: ok" in proc.stdout
+    for chatter in ENGINE_CHATTER:
+        assert chatter not in terminal, chatter
+    (record_path,) = tmp_path.glob("runs/*/record.json")
+    ppo_log = (record_path.parent / "ppo" / "worker.log").read_text()
+    assert "begin bf16_optimizer" in ppo_log and "Setting accelerator to CPU" in ppo_log
+    assert proc.stdout.splitlines()[-2:] == [f"record: {record_path}", f"report: python -m bench.report "
+                                                                      f"{tmp_path / 'runs'}"]
+    record = json.loads(record_path.read_text())
+    assert record["status"] == "ok"
+    sft = record["prerequisites"]["sft"]
+    assert sft["status"] == "ok" and sft["loss_end"] < sft["loss_start"], sft
+    assert not any("random base weights" in note for note in record["stages"]["ppo"]["notes"])
+    assert record["stages"]["ppo"]["learning"]["reward_trend"]["verdict"] in ("rose", "fell", "within noise")
+    for stage in ("sft (prerequisite)", "rm (prerequisite)", "ppo "):
+        assert stage in proc.stderr, stage  # each stage's progress line
 
 
 def test_local_hugging_face_checkpoint_via_model_path(run_bench, tmp_path):

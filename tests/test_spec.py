@@ -272,17 +272,34 @@ def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
 
 
 def test_the_prerequisite_rm_cache_key_holds_only_what_the_rm_stage_uses():
-    from bench.run.benchmark import rm_cache_key
+    from bench.run.benchmark import prerequisite_cache_key
 
-    base = rm_cache_key(spec())
+    def key(*overrides: str) -> str:
+        return prerequisite_cache_key(spec(*overrides), "rm")
+
+    base = key()
     for framework, ppo_only in (("dschat", "framework.ppo.kl_ctl=0.5"), ("colossalai", "framework.ppo.top_k=5"),
                                 ("trlx", "framework.num_layers_unfrozen=-1")):
-        mine = rm_cache_key(spec(f"framework={framework}"))
-        assert rm_cache_key(spec(f"framework={framework}", ppo_only)) == mine, framework
-        assert rm_cache_key(spec(f"framework={framework}", "model.lr.actor=0.5")) == mine
-        assert rm_cache_key(spec(f"framework={framework}", "model.lr.rm=0.5")) != mine
-    assert rm_cache_key(spec("seed=7")) != base and rm_cache_key(spec("batch=2")) != base
-    assert rm_cache_key(spec("framework.hybrid_engine=true")) == base
+        mine = key(f"framework={framework}")
+        assert key(f"framework={framework}", ppo_only) == mine, framework
+        assert key(f"framework={framework}", "model.lr.actor=0.5") == mine
+        assert key(f"framework={framework}", "model.lr.rm=0.5") != mine
+    assert key("seed=7") != base and key("batch=2") != base
+    assert key("framework.hybrid_engine=true") == base
+    assert key("stage_steps.sft=5") == base and key("stage_steps.rm=5") != base
+
+
+def test_the_prerequisite_sft_cache_key_holds_only_what_the_sft_stage_uses():
+    from bench.run.benchmark import prerequisite_cache_key
+
+    def key(*overrides: str) -> str:
+        return prerequisite_cache_key(spec(*overrides), "sft")
+
+    base = key()
+    assert key("model.lr.sft=0.5") != base and key("stage_steps.sft=5") != base
+    assert key("model.lr.rm=0.5") == base and key("stage_steps.rm=5") == base and key("zero=3") == base
+    assert key("framework.ppo.kl_ctl=0.5") == base and key("verbose=true") == base
+    assert key() != prerequisite_cache_key(spec(), "rm")
 
 
 def test_the_colossalai_precision_mixin_is_found_under_each_of_its_names():

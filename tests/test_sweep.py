@@ -149,14 +149,14 @@ def test_parallel_cells_train_the_prerequisite_reward_model_once(tmp_path):
     and reads it (without the lock both trained in one directory, deleting each other's rank files)."""
     import threading
 
-    from bench.run.benchmark import prerequisite_rm
+    from bench.run.benchmark import prerequisite
     from bench.run.config import compose
     from bench.run.spec import spec_from_config
 
     specs = [spec_from_config(compose(["framework.optimizer=torch_adamw", "stage_steps.rm=3", "warmup_steps=1",
                                        f"framework.ppo.kl_ctl={kl}"])) for kl in (0.1, 0.2)]
     results: list[dict] = []
-    threads = [threading.Thread(target=lambda s=s: results.append(prerequisite_rm(s, str(tmp_path), echo=False)))
+    threads = [threading.Thread(target=lambda s=s: results.append(prerequisite(s, "rm", str(tmp_path))))
                for s in specs]
     for thread in threads:
         thread.start()

@@ -67,7 +67,7 @@ class PluginChoice:
 @dataclass(frozen=True)
 class ColossalOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "critic_from_rm", "lora", "initial_scale")
+    prerequisite_ignores: ClassVar[tuple[str, ...]] = ("ppo", "critic_from_rm", "lora", "initial_scale")
     auto_plugin: dict[str, str]
     plugins: dict[str, dict[str, Any]]
     optimizer: str = "hybrid_adam"

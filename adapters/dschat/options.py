@@ -50,7 +50,7 @@ class PPOOptions:
 @dataclass(frozen=True)
 class DSChatOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = (
+    prerequisite_ignores: ClassVar[tuple[str, ...]] = (
         "ppo", "hybrid_engine", "lora_module_name", "lora_lr", "only_optimize_lora", "fp16_loss_scale_window",
         "fix_fp16_zero0_loss_scale", "compute_fp32_loss", "actor_dropout", "critic_dropout", "critic_lora_dim")
     optimizer: str = "fused_adam"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -447,6 +448,8 @@ class TrlAdapter(Adapter):
         if self.driver is not None:
             self.driver.stop()
         self._patches.close()
+        if self.trainer is not None:  # TrainingArguments' output_dir: a temporary directory nothing is kept in
+            shutil.rmtree(self.trainer.args.output_dir, ignore_errors=True)
         self.trainer = None
         if dist.is_initialized():
             dist.destroy_process_group()

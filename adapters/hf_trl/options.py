@@ -58,7 +58,7 @@ def _positive_int(name: str, value: Any) -> None:
 @dataclass(frozen=True)
 class TrlOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "grpo", "lora")
+    prerequisite_ignores: ClassVar[tuple[str, ...]] = ("ppo", "grpo", "lora")
     lora: LoraOptions = field(default_factory=LoraOptions)
     ppo: PPOOptions = field(default_factory=PPOOptions)
     grpo: GRPOOptions = field(default_factory=GRPOOptions)

@@ -33,7 +33,7 @@ class PPOOptions:
 @dataclass(frozen=True)
 class ReferenceOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "lora_alpha")
+    prerequisite_ignores: ClassVar[tuple[str, ...]] = ("ppo", "lora_alpha")
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0

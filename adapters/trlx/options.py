@@ -46,7 +46,7 @@ class PPOOptions:
 @dataclass(frozen=True)
 class TrlxOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
-    prerequisite_rm_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora",
+    prerequisite_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora",
                                                           "reward_batch_size", "reward_device")
     reference: str = "auto"
     num_layers_unfrozen: int = 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch.utils.cpp_extension
@@ -17,14 +18,17 @@ import torch.utils.cpp_extension
 _seconds = [0.0]
 
 
-def install() -> None:
-    """Time every later JIT extension load in this process (idempotent)."""
+def install(on_load: Callable[[str], None] | None = None) -> None:
+    """Time every later JIT extension load in this process (idempotent); `on_load` is told each op's name
+    before it loads (a first load compiles for one to two minutes: the progress feed says so)."""
     load = torch.utils.cpp_extension.load
     if getattr(load, "_bench_timed", False):
         return
 
     @functools.wraps(load)
     def timed(*args: Any, **kwargs: Any) -> Any:
+        if on_load is not None:
+            on_load(str(kwargs.get("name", args[0] if args else "?")))
         start = time.perf_counter()
         try:
             return load(*args, **kwargs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict
 from typing import Any
@@ -21,6 +21,7 @@ class PhaseTracker:
         self.memory = MemoryTracker(device, release_every)
         self.samples: list[dict[str, Any]] = []
         self.current_phase: str | None = None
+        self.on_phase: Callable[[str], None] | None = None  # told each phase's name as it starts (the progress feed)
 
     @property
     def time_method(self) -> str:
@@ -34,6 +35,8 @@ class PhaseTracker:
             raise RuntimeError(f"phase {name!r} started inside phase {self.current_phase!r}")
         sample: dict[str, Any] = {"phase": name, "step": step}
         self.current_phase = name
+        if self.on_phase is not None:
+            self.on_phase(name)
         sample["heap_trimmed"] = self.memory.start(name)
         start = time.perf_counter()
         yield sample

@@ -24,7 +24,8 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
                   "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
-                    "preflight", "global_batch")  # global_batch: a check before launch, nothing the run does
+                    "preflight", "global_batch", "verbose")  # global_batch: a check before launch, nothing the run
+                                                             # does; verbose: what the terminal shows
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the
@@ -35,7 +36,8 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "quant_library": "bitsandbytes",  # the only library before the key existed
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
               "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None,
-              "grad_accum": 1, "stage_steps.grpo": 10}
+              "grad_accum": 1, "stage_steps.grpo": 10,
+              "init.sft_prerequisite": False}  # PPO's actor started from random base weights before the key
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -77,6 +79,8 @@ def cell_config(record: dict[str, Any], stage: str) -> dict[str, Any]:
     flat = {k: v for k, v in flatten(record["config"]).items() if k not in BOOKKEEPING_KEYS}
     for key, default in ADDED_KEYS.items():
         flat.setdefault(key, default)
+    if flat.get("init.sft") is not None or flat.get("stage.name") != "ppo":
+        flat["init.sft_prerequisite"] = None  # it decides only where a PPO run without init.sft starts
     for key in ("init.sft", "init.rm"):
         if flat.get(key) is not None:
             flat[key] = "given"

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from bench.measure.flops import FORMULA
+from bench.measure.reward_trend import reward_trend
 from bench.run.spec import ROLLOUT_STAGES
 
 SCHEMA_VERSION = 2  # 2: growth over the post-import baseline, an `imports` phase, CUDA peaks on allocated bytes
@@ -428,6 +429,7 @@ def _learning(stage: str, steps: list[dict[str, Any]], ranks: list[dict[str, Any
             reward_window_steps=window,
             reward_start=_mean(rewards[:window]),
             reward_end=_mean(rewards[-window:]),
+            reward_trend=reward_trend(rewards, window),
             kl_start=_mean([s.get("kl") for s in steps[:window]]),
             kl_end=_mean([s.get("kl") for s in steps[-window:]]),
             preferred_fraction_start=_mean([s.get("preferred_fraction") for s in steps[:window]]),

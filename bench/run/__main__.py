@@ -25,6 +25,7 @@ from bench.results.record import ResultRecord, StageRecord, utc_now
 from bench.results.table import print_record
 from bench.run.benchmark import RECORD_FILE, run_benchmark
 from bench.run.cli_checks import check_command_line
+from bench.run.cli_help import help_text
 from bench.run.config import CONF_DIR, to_plain
 from bench.run.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
 from bench.run.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
@@ -100,7 +101,7 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
             return "skipped"
     cache_dir = os.path.join(config["output_root"], "cache")
     try:
-        record = run_benchmark(spec, run_dir, config, cache_dir, preflight=found)
+        record = run_benchmark(spec, run_dir, config, cache_dir, Console(stderr=True), preflight=found)
     except Exception as err:  # noqa: BLE001 -- in a sweep, one cell's crash must not end the others
         if not sweeping:
             raise
@@ -108,12 +109,15 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
         _write_outcome(run_dir, config, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}",
                        "harness")
         return "error"
-    print_record(record.to_dict(), record_path, console)
+    print_record(record.to_dict(), record_path, console, report_root=os.path.dirname(run_dir))
     return record.status
 
 
 def cli() -> None:
     """Refuse a command line that cannot work before Hydra writes anything, then run."""
+    if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
+        print(help_text())
+        return
     try:
         check_command_line(sys.argv[1:])
     except SpecError as err:

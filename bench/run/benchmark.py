@@ -14,6 +14,8 @@ import logging
 import os
 from typing import Any
 
+from rich.console import Console
+
 from bench.measure.trend import soak_trends
 from bench.results.record import ResultRecord, StageRecord, batch_shape, stage_record, utc_now, write_json
 from bench.run.launcher import launch_stage, remove_torn_writes
@@ -22,6 +24,7 @@ from bench.run.spec import (
     CommSpec,
     DebugSpec,
     FrozenRoleSpec,
+    InitSpec,
     LauncherSpec,
     RewardSpec,
     RunSpec,
@@ -32,33 +35,37 @@ log = logging.getLogger(__name__)
 RECORD_FILE = "record.json"
 
 
-def _prerequisite_rm_spec(spec: RunSpec) -> RunSpec:
-    """DS-Chat's step 3 needs a step-2 reward model. When none is given, one is trained with fixed,
-    cheap settings so that every PPO configuration of a sweep scores against the same RM."""
+PREREQUISITE_SETTINGS = "fp32, zero=0, lora=0, 1 rank"
+
+
+def _prerequisite_spec(spec: RunSpec, stage: str) -> RunSpec:
+    """DS-Chat's step 3 starts from a step-1 SFT model and scores with a step-2 reward model. When none is
+    given, each is trained with fixed, cheap settings (PREREQUISITE_SETTINGS) so that every PPO configuration
+    of a sweep starts from the same models."""
     return spec.replace(
-        stage="rm", precision="fp32", zero=0, lora=0, lora_targets=None, lora_alpha=None, grad_accum=1,
+        stage=stage, precision="fp32", zero=0, lora=0, lora_targets=None, lora_alpha=None, grad_accum=1,
         global_batch=None, offload=False,
         grad_ckpt=False, grad_clip=None, lr=None, plugin="auto", tp=1, pp=1, soak=False, debug=DebugSpec(),
-        checkpoint=CheckpointSpec(), resume=False,
+        checkpoint=CheckpointSpec(), resume=False, init=InitSpec(),
         reference=FrozenRoleSpec(), reward=RewardSpec(), ds=CommSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
                               timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
     )
 
 
-def rm_cache_key(spec: RunSpec) -> str:
-    """What the prerequisite reward model depends on, and nothing else: the framework's options less those
-    only PPO (or LoRA, offload, fp16, which it never uses) reads, the model less the other stages' learning
-    rates, the data shape, the seed and the RM's steps. PPO cells that differ elsewhere share one RM."""
+def prerequisite_cache_key(spec: RunSpec, stage: str) -> str:
+    """What a prerequisite model depends on, and nothing else: the framework's options less those only PPO
+    (or LoRA, offload, fp16, which it never uses) reads, the model less the other stages' learning rates, the
+    data shape, the seed and the stage's steps. PPO cells that differ elsewhere share one model."""
     from adapters import registry
 
-    ignored = registry.options_class(spec.framework).prerequisite_rm_ignores
-    model = dict(spec.to_dict()["model"], lr={"rm": spec.model.lr["rm"]})
+    ignored = registry.options_class(spec.framework).prerequisite_ignores
+    model = dict(spec.to_dict()["model"], lr={stage: spec.model.lr[stage]})
     fields = {
         "framework": spec.framework,
         "framework_options": {k: v for k, v in spec.framework_options.items() if k not in ignored},
         "model": model, "batch": spec.batch, "prompt_len": spec.prompt_len, "answer_len": spec.answer_len,
-        "seed": spec.seed, "rm_steps": spec.steps["rm"],
+        "seed": spec.seed, f"{stage}_steps": spec.steps[stage],
     }
     return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -70,34 +77,50 @@ def _read_summary(path: str) -> dict[str, Any] | None:
         return json.load(f)
 
 
-def prerequisite_rm(spec: RunSpec, cache_dir: str, echo: bool) -> dict[str, Any]:
-    """The cached prerequisite RM, trained once. A lock per cache entry keeps parallel sweep cells (submitit,
-    several shells) from training it twice in one directory and deleting each other's files."""
-    rm_spec = _prerequisite_rm_spec(spec)
-    directory = os.path.join(cache_dir, f"{spec.framework}-rm-{rm_cache_key(rm_spec)}")
+def prerequisite(spec: RunSpec, stage: str, cache_dir: str, console: Console | None = None) -> dict[str, Any]:
+    """The cached prerequisite model of `stage` (sft or rm), trained once. A lock per cache entry keeps
+    parallel sweep cells (submitit, several shells) from training it twice in one directory and deleting
+    each other's files."""
+    pre_spec = _prerequisite_spec(spec, stage)
+    directory = os.path.join(cache_dir, f"{spec.framework}-{stage}-{prerequisite_cache_key(pre_spec, stage)}")
     summary_path = os.path.join(directory, "summary.json")
     os.makedirs(cache_dir, exist_ok=True)
     with open(directory + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
         summary = _read_summary(summary_path)
         if summary is not None:
+            if console is not None:
+                console.print(f"[dim]{PREREQUISITE_NAMES[stage]}: cached, {summary['checkpoint']}[/dim]",
+                              soft_wrap=True)
             return dict(summary, cached=True)
-        return _train_prerequisite_rm(rm_spec, directory, summary_path, echo)
+        return _train_prerequisite(pre_spec, stage, directory, summary_path, console)
 
 
-def _train_prerequisite_rm(rm_spec: RunSpec, directory: str, summary_path: str, echo: bool) -> dict[str, Any]:
-    log.info("stage=ppo without init.rm: training the prerequisite reward model in %s", directory)
-    outcome = launch_stage(rm_spec, "rm", directory, {}, echo=echo)
-    result = stage_record("rm", outcome.ranks, rm_spec.warmup_steps, outcome.wall_time_s, outcome.failure)
+PREREQUISITE_NAMES = {"sft": "prerequisite SFT model (actor and reference)",
+                      "rm": "prerequisite reward model (critic and reward)"}
+
+
+def _train_prerequisite(pre_spec: RunSpec, stage: str, directory: str, summary_path: str,
+                        console: Console | None) -> dict[str, Any]:
+    log.info("stage=ppo: training the %s in %s", PREREQUISITE_NAMES[stage], directory)
+    if console is not None:
+        console.print(f"{PREREQUISITE_NAMES[stage]}: trained once ({PREREQUISITE_SETTINGS}, "
+                      f"{pre_spec.steps[stage]} steps), then reused from {directory}", soft_wrap=True)
+    outcome = launch_stage(pre_spec, stage, directory, {}, console, label=f"{stage} (prerequisite)")
+    result = stage_record(stage, outcome.ranks, pre_spec.warmup_steps, outcome.wall_time_s, outcome.failure)
     summary = {
         "status": result.status,
         "checkpoint": result.checkpoint,
-        "steps": rm_spec.steps["rm"],
-        "settings": "fp32, zero=0, lora=0, 1 rank",
-        "accuracy_end": result.learning.get("accuracy_end"),
-        "heldout_scores": result.learning.get("heldout_scores"),  # what reward.normalize=zscore applies
+        "steps": pre_spec.steps[stage],
+        "settings": PREREQUISITE_SETTINGS,
         "error": result.error,
     }
+    if stage == "rm":
+        summary.update(accuracy_end=result.learning.get("accuracy_end"),
+                       heldout_scores=result.learning.get("heldout_scores"))  # what reward.normalize=zscore applies
+    else:
+        curve = result.learning.get("loss_curve") or [None]
+        summary.update(loss_start=curve[0], loss_end=curve[-1])
     if result.status == "ok":
         write_json(summary_path, summary)
     return dict(summary, cached=False)
@@ -130,8 +153,25 @@ def _add_prediction(spec: RunSpec, stage: str, result: StageRecord, device: str)
         result.memory["prediction"] = entry
 
 
+def _ppo_prerequisites(spec: RunSpec, init: dict[str, str], record: ResultRecord, cache_dir: str,
+                       console: Console | None) -> str | None:
+    """Finds (or trains) the models PPO needs and was not given, into `init` and the record's prerequisites;
+    returns the stage whose prerequisite failed, if one did."""
+    for need in ("sft", "rm"):
+        if need in init or (need == "sft" and not spec.init.sft_prerequisite):
+            continue
+        made = prerequisite(spec, need, cache_dir, console)
+        record.prerequisites[need] = made
+        if made["status"] != "ok":
+            return need
+        init[need] = made["checkpoint"]
+    return None
+
+
 def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir: str,
-                  echo: bool = True, preflight: dict[str, Any] | None = None) -> ResultRecord:
+                  console: Console | None = None, preflight: dict[str, Any] | None = None) -> ResultRecord:
+    """`console`: where each stage's progress line and the prerequisites' banners go (None: nowhere; every
+    rank's output is in its stage's worker.log either way)."""
     from adapters import registry
 
     run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
@@ -153,16 +193,15 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
             init[stage] = kept[stage].checkpoint
             log.info("stage %s: kept from the interrupted run (resume=true)", stage)
             continue
-        if stage == "ppo" and "rm" not in init:
-            prerequisite = prerequisite_rm(spec, cache_dir, echo)
-            record.prerequisites["rm"] = prerequisite
-            if prerequisite["status"] != "ok":
-                record.stages["ppo"] = StageRecord(status="error", error={
-                    "message": f"prerequisite reward model failed: {prerequisite['error']}", "phase": "prerequisite"})
-                break
-            init["rm"] = prerequisite["checkpoint"]
+        failed = _ppo_prerequisites(spec, init, record, cache_dir, console) if stage == "ppo" else None
+        if failed is not None:
+            record.stages["ppo"] = StageRecord(status="error", error={
+                "message": f"{PREREQUISITE_NAMES[failed]} failed: "
+                           f"{(record.prerequisites[failed]['error'] or {}).get('message')}",
+                "phase": "prerequisite"})
+            break
         log.info("stage %s: %d rank(s), %s", stage, spec.launcher.nproc, json.dumps(init))
-        outcome = launch_stage(spec, stage, os.path.join(run_dir, stage), init, echo=echo)
+        outcome = launch_stage(spec, stage, os.path.join(run_dir, stage), init, console)
         result = stage_record(stage, outcome.ranks, spec.warmup_steps, outcome.wall_time_s, outcome.failure)
         record.stages[stage] = result
         environment = next((r["environment"] for r in outcome.ranks if "environment" in r), None)

@@ -1,12 +1,14 @@
 """Launches one stage as an isolated process tree: torchrun with N ranks of `bench.run.worker`.
 
-The tree runs in its own session so a timeout kills every rank; its output is copied to the terminal
-and to the stage's `worker.log`. Whatever happens, the caller gets the ranks' result files back, or a
-failure that says why there are none.
+The tree runs in its own session so a timeout kills every rank; its output (engine logs, library warnings)
+goes to the stage's `worker.log`, and to the terminal as well only with `verbose=true`: the terminal shows
+the stage's progress line instead (bench.run.progress). Whatever happens, the caller gets the ranks' result
+files back, or a failure that says why there are none.
 """
 
 from __future__ import annotations
 
+import codecs
 import contextlib
 import glob
 import json
@@ -21,7 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from bench.results.record import write_json
+from bench.run.progress import StageDisplay, feed_path
 from bench.run.spec import RunSpec
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,11 +101,13 @@ def remove_torn_writes(directory: str) -> None:
 
 
 def _pump(stream, log, echo: bool) -> None:
+    # text through sys.stderr (not its buffer): a live progress line redirects it to print above itself
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     for chunk in iter(lambda: stream.read1(4096), b""):
         log.write(chunk)
         log.flush()
         if echo:
-            sys.stderr.buffer.write(chunk)
+            sys.stderr.write(decoder.decode(chunk))
             sys.stderr.flush()
 
 
@@ -112,12 +119,15 @@ def _read_log(path: str) -> str:
         return ""
 
 
-def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str], echo: bool = True
-                 ) -> StageOutcome:
+def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str], console: Console | None = None,
+                 label: str | None = None) -> StageOutcome:
+    """`console`: where the stage's progress line (titled `label`, default the stage) is drawn, and with
+    spec.verbose the ranks' own output too; None shows nothing (the log has it all)."""
     stage_dir = os.path.abspath(stage_dir)  # workers run from the repository root
     os.makedirs(stage_dir, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json")):
-        os.unlink(stale)
+    for stale in [*glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json")), feed_path(stage_dir)]:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     remove_torn_writes(stage_dir)
     spec_path = os.path.join(stage_dir, "spec.json")
     write_json(spec_path, spec.to_dict())
@@ -130,9 +140,12 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     log_path = os.path.join(stage_dir, "worker.log")
     start = time.perf_counter()
     failure = None
-    with open(log_path, "ab" if spec.resume else "wb") as log:  # a resumed stage keeps the killed run's log
+    display = StageDisplay(console, label or stage, feed_path(stage_dir)) if console is not None else None
+    # a resumed stage keeps the killed run's log
+    with open(log_path, "ab" if spec.resume else "wb") as log, display or contextlib.nullcontext():
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
+        echo = console is not None and spec.verbose
         pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo), daemon=True)
         pump.start()
         try:

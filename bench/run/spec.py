@@ -308,10 +308,15 @@ class RewardSpec(FrozenRoleSpec):
 
 @dataclass(frozen=True)
 class InitSpec:
+    """Where PPO's models start. Without `sft`, PPO starts from a cached prerequisite SFT model unless
+    `sft_prerequisite` is false (then from random base weights); without `rm`, from a prerequisite RM."""
+
     sft: str | None = None
     rm: str | None = None
+    sft_prerequisite: bool = True
 
     def __post_init__(self) -> None:
+        _bool("init.sft_prerequisite", self.sft_prerequisite)
         for key in ("sft", "rm"):
             path = getattr(self, key)
             if path is not None and not (isinstance(path, str) and os.path.isfile(path)):
@@ -351,6 +356,7 @@ class RunSpec:
     memory_budget_gb: float | None = None
     memory_release_every: int | None = None  # None: every run in a soak (its figure is per step), else 4
     preflight: str = "off"  # on: refuse a run predicted not to fit; shrink: halve the batch until it fits
+    verbose: bool = False  # the ranks' own output on the terminal too (it is always in each stage's worker.log)
     debug: DebugSpec = field(default_factory=DebugSpec)
     ds: CommSpec = field(default_factory=CommSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
@@ -416,6 +422,7 @@ class RunSpec:
                 )
         _bool("soak", self.soak)
         _bool("resume", self.resume)
+        _bool("verbose", self.verbose)
         if self.memory_budget_gb is not None:
             _positive_float("memory_budget_gb", self.memory_budget_gb)
         if self.memory_release_every is not None:
@@ -573,6 +580,7 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         memory_budget_gb=cfg.get("memory_budget_gb"),
         memory_release_every=cfg.get("memory_release_every"),
         preflight=cfg.get("preflight", "off"),
+        verbose=cfg.get("verbose", False),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
         ds=CommSpec(**dict(cfg.get("ds") or {})),
         checkpoint=CheckpointSpec(every=(cfg.get("checkpoint") or {}).get("every", 0),

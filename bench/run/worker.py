@@ -29,7 +29,7 @@ from bench.results.record import write_json
 from bench.run.data import SyntheticData
 from bench.run.loop import StageLoop, StepObserver
 from bench.run.models import model_build_seconds
-from bench.run.progress import StepProgress
+from bench.run.progress import ProgressFeed, feed_path
 from bench.run.reward_stats import HeldoutStatistics, write_statistics
 from bench.run.spec import RunSpec, UnsupportedError
 from bench.run.step_log import WandbSteps
@@ -103,6 +103,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
     adapter = None
     loop = None
     observers: list[StepObserver] = []
+    feed = ProgressFeed(feed_path(stage_dir)) if rank == 0 else None
     try:
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device, spec.release_every)
@@ -111,7 +112,10 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         if rank == 0:
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
-        jit_ops.install()
+        if feed is not None:
+            observers.append(feed)
+            tracker.on_phase = feed.phase
+        jit_ops.install(on_load=feed.jit_op if feed is not None else None)
         # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
         # before it builds a model. Growth is measured from here, so frameworks compare on their own work.
         with tracker.phase("imports"):
@@ -121,10 +125,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         result["layout"] = adapter.layout()
         data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
                              adapter.data_parallel_rank)
-        if rank == 0:
-            observers.append(StepProgress())
-            if spec.wandb != "off":
-                observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
+        if rank == 0 and spec.wandb != "off":
+            observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
         loop = StageLoop(adapter, spec, tracker, data, observers)
         result.update(loop.run(stage, init, os.path.join(stage_dir, "checkpoints")))
         result["notes"] = adapter.notes()
