@@ -153,3 +153,27 @@ def test_bench_run_help_prints_the_list_and_launches_nothing(tmp_path):
                           timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == help_text().strip()
     assert not (REPO / "outputs").exists()
+
+
+def test_rank_zeros_feed_becomes_the_launchers_progress_line(tmp_path):
+    from bench.run.progress import ProgressFeed, StageDisplay, feed_path
+
+    path = feed_path(str(tmp_path))
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))  # noqa: SIM115 -- closed with the console
+    with StageDisplay(console, "ppo", path) as display:
+        feed = ProgressFeed(path)
+        feed.phase("imports")
+        feed.jit_op("deepspeed_shm_comm")
+        feed.start("ppo", 3)
+        for reward in (0.5, 0.25, 1.5):
+            feed.advance({"reward": reward, "loss/actor": -0.125, "kl": 0.01})
+        feed.stop()
+        feed.stop()  # the loop and the worker both stop it: one stop event
+        with open(path, "a") as f:
+            f.write('{"event": "step", "sta')  # a line rank 0 is still writing when the stage ends
+        display._read()
+    text = console.export_text()
+    assert "ppo" in text and "3/3" in text and "reward=1.5" in text and "loss/actor=-0.125" in text
+    assert "kl=" not in text  # only losses and the reward or accuracy are shown
+    with open(path) as f:
+        assert sum('"stop"' in line for line in f) == 1

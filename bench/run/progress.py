@@ -61,15 +61,14 @@ class ProgressFeed:
 
 class StageDisplay:
     """The launcher's side: follows a stage's feed and draws it as one line (spinner, label, bar, steps done,
-    the latest figures or what the stage is doing, elapsed time). Outside a terminal rich prints the line once,
-    in its final state."""
+    elapsed time, then the latest figures or what the stage is doing, which a narrow terminal cuts first).
+    Outside a terminal rich prints the line once, in its final state."""
 
     def __init__(self, console: Console, label: str, feed_path: str) -> None:
-        self._label = label
         self._feed_path = feed_path
         self._progress = Progress(
             SpinnerColumn(), TextColumn("[bold]{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
-            TextColumn("{task.fields[status]}"), TimeElapsedColumn(), console=console, transient=False,
+            TimeElapsedColumn(), TextColumn("{task.fields[status]}"), console=console, transient=False,
         )
         self._task = self._progress.add_task(label, total=None, status="starting")
         self._offset = 0
@@ -113,10 +112,6 @@ class StageDisplay:
             self._progress.update(self._task, total=event["total"], completed=0, status="")
         elif kind == "step":
             self._progress.update(self._task, advance=1, status=event["status"])
-
-    @property
-    def status(self) -> str:
-        return self._progress.tasks[0].fields["status"]
 
 
 def feed_path(stage_dir: str) -> str:

@@ -1,9 +1,9 @@
 """A progress line over a Hydra sweep: cells ok / failed / skipped / kept, and an ETA from the cells that ran.
 
-A Hydra callback (conf/config.yaml registers it). Each cell's own output (worker logs, the step bar)
-scrolls in between, so the sweep's progress is printed as one bar line before and after each cell
-rather than as a live display that the cells' output would tear. Under a remote launcher (submitit)
-the job hooks run inside each job: the sweep total is then printed once, locally.
+A Hydra callback (conf/config.yaml registers it). Each cell's own lines (a progress line per stage, its
+table; with verbose=true the ranks' output) scroll in between, so the sweep's progress is printed as one
+bar line before and after each cell rather than as a live display that the cells' output would tear. Under
+a remote launcher (submitit) the job hooks run inside each job: the sweep total is then printed once, locally.
 """
 
 from __future__ import annotations
