@@ -12,7 +12,11 @@
 # Cut to fit one night (and said in the README): LoRA and the upstream precision run at ZeRO-2 only (the ZeRO
 # axis is measured once, in bf16 full fine-tuning); colossalai ZeRO-3 (Gemini) needs CUDA and records
 # `unsupported` in seconds. The prerequisite RM of each PPO cell trains for 5 steps (its quality is not what
-# PPO's memory and speed depend on).
+# PPO's memory and speed depend on). The curated PPO cells ran before the prerequisite SFT model existed:
+# their actors started from random weights (init.sft_prerequisite=false, as the report counts them). A PPO
+# cell missing from them now starts from the SFT prerequisite and forms a cell of its own; passing the key
+# here would rename every cell's directory and run the whole sweep again, so it is left to the command line
+# of a partial run (e.g. a seed added to an old cell).
 #
 # Runs land in results/sweeps/glm-base; re-running resumes (finished cells are kept), and the curated example
 # in results/examples/glm-base seeds the sweep folder first, so a sweep started on one machine can finish on
