@@ -31,6 +31,9 @@ def run_bench(tmp_path, rm_cache) -> Callable[..., dict[str, Any]]:
         # configuration would cost CI minutes that tests of memory, lifetimes and engines do not need
         if not any(o.startswith("init.sft") for o in overrides):
             overrides = (*overrides, "init.sft_prerequisite=false")
+        # a stalled rank fails its test within 5 minutes, with its stacks (no CI test has a phase that long)
+        if not any(o.startswith("launcher.stall_s") for o in overrides):
+            overrides = (*overrides, "launcher.stall_s=300")
         config = compose(list(overrides))
         spec = spec_from_config(config)
         record = run_benchmark(spec, str(tmp_path / name), config, rm_cache)

@@ -263,13 +263,16 @@ def test_a_rank_killed_by_sigkill_is_an_oom_and_the_other_rank_keeps_what_it_mea
 
 
 @pytest.mark.slow  # 38 s: the slow tier since TRL's engine tests joined CI's 25 minutes (scripts/test_slow.sh)
-def test_a_run_past_its_timeout_keeps_what_it_measured_marked_as_cut_short(run_bench):
+def test_a_run_past_its_timeout_keeps_what_it_measured_marked_as_cut_short(run_bench, tmp_path):
     record = run_bench("stage=sft", "launcher.timeout_s=35", "steps=1000000", TORCH_ADAMW)
     sft = record["stages"]["sft"]
     assert record["status"] == "timeout" and "launcher.timeout_s=35" in sft["error"]["message"]
     (cut,) = sft["cut_short"]["ranks"]
     assert cut["signal"] == "SIGTERM" and cut["steps_done"] > 0
     assert len(sft["steps"]) == cut["steps_done"] and sft["memory"]["phases"]["training"]["peak_bytes"] > 0
+    log = (tmp_path / "run" / "sft" / "worker.log").read_text()  # each rank's stacks, dumped before the kill
+    assert "==== launcher.timeout_s reached: the stacks of pid" in log
+    assert "thread 0x" in log.lower() and "bench/run/loop.py" in log
 
 
 # What DeepSpeed, torchao, torch and transformers print on their own: it belongs in the stage logs

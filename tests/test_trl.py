@@ -20,6 +20,7 @@ from adapters.hf_trl.driver import LoopDriver
 from bench.run.config import compose
 from bench.run.data import EOS, PAD, SyntheticData
 from bench.run.spec import SpecError, UnsupportedError, spec_from_config
+from tests.processes import run_tree
 
 
 def spec(*overrides: str):
@@ -165,11 +166,16 @@ def _phase_times(stage_dir: str) -> dict[int, float]:
 def _plain(stage_dir: str, stage: str, tmp_path, init: dict[str, str]) -> list[dict[str, float]]:
     """The same stage run by TRL alone (adapters/hf_trl/plain.py), its per-step logs."""
     out = tmp_path / f"plain-{stage}.json"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29731",
+    # --standalone: torchrun's rendezvous on a free port (a fixed one would be shared by two runs at once)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                "-m", "adapters.hf_trl.plain", os.path.join(stage_dir, "spec.json"), stage, str(out)]
     command += [arg for key, path in init.items() for arg in (f"--init-{key}", path)]
-    subprocess.run(command, check=True, capture_output=True, timeout=600,
-                   env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        run_tree(command, timeout=600, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    except subprocess.SubprocessError as err:  # a stall's stacks (bench.run.watchdog) or the end of its output
+        stall = tmp_path / "stall-rank0.txt"
+        told = stall.read_text() if stall.exists() and "Timeout (" in stall.read_text() else ""
+        pytest.fail(f"{err}\n{told}\n{(err.stderr or b'')[-3000:].decode(errors='replace')}")
     return json.loads(out.read_text())
 
 

@@ -21,7 +21,8 @@ class PhaseTracker:
         self.memory = MemoryTracker(device, release_every)
         self.samples: list[dict[str, Any]] = []
         self.current_phase: str | None = None
-        self.on_phase: Callable[[str], None] | None = None  # told each phase's name as it starts (the progress feed)
+        # told each phase's name and step as it starts (the progress feed, the rank's stall watchdog)
+        self.on_phase: Callable[[str, int | None], None] | None = None
 
     @property
     def time_method(self) -> str:
@@ -36,7 +37,7 @@ class PhaseTracker:
         sample: dict[str, Any] = {"phase": name, "step": step}
         self.current_phase = name
         if self.on_phase is not None:
-            self.on_phase(name)
+            self.on_phase(name, step)
         sample["heap_trimmed"] = self.memory.start(name)
         start = time.perf_counter()
         yield sample

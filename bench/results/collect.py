@@ -23,9 +23,9 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
                   "pp", "plugin", "offload", "grad_ckpt", "quant", "normalize", "reference", "upstream_fix",
                   "harness_extension", "seed")
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
+# global_batch: a check before launch, nothing the run does; verbose: what the terminal shows.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
-                    "preflight", "global_batch", "verbose")  # global_batch: a check before launch, nothing the run
-                                                             # does; verbose: what the terminal shows
+                    "launcher.stall_s", "preflight", "global_batch", "verbose")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the

@@ -49,7 +49,8 @@ def _prerequisite_spec(spec: RunSpec, stage: str) -> RunSpec:
         checkpoint=CheckpointSpec(), resume=False, init=InitSpec(),
         reference=FrozenRoleSpec(), reward=RewardSpec(), ds=CommSpec(),
         launcher=LauncherSpec(nproc=1, threads_per_rank=spec.launcher.threads_per_rank,
-                              timeout_s=spec.launcher.timeout_s, device=spec.launcher.device),
+                              timeout_s=spec.launcher.timeout_s, stall_s=spec.launcher.stall_s,
+                              device=spec.launcher.device),
     )
 
 

@@ -1,9 +1,12 @@
 """Launches one stage as an isolated process tree: torchrun with N ranks of `bench.run.worker`.
 
-The tree runs in its own session so a timeout kills every rank; its output (engine logs, library warnings)
-goes to the stage's `worker.log`, and to the terminal as well only with `verbose=true`: the terminal shows
-the stage's progress line instead (bench.run.progress). Whatever happens, the caller gets the ranks' result
-files back, or a failure that says why there are none.
+torchrun runs in its own session and each rank in another (torchrun's own choice), so a timeout kills
+torchrun's group and every rank's; its output (engine logs, library warnings) goes to the stage's `worker.log`,
+and to the terminal as well only with `verbose=true`: the terminal shows the stage's progress line instead
+(bench.run.progress). A rank that stalls ends itself with every thread's stack (bench.run.watchdog), which
+this copies into worker.log; a run past launcher.timeout_s has its ranks' stacks dumped there before it is
+killed. Whatever happens, the caller gets the ranks' result files back, or a failure that says why there are
+none.
 """
 
 from __future__ import annotations
@@ -23,14 +26,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 from rich.console import Console
 
 from bench.results.record import write_json
 from bench.run.progress import StageDisplay, feed_path
 from bench.run.spec import RunSpec
+from bench.run.watchdog import STALL_FILE, Stall, stalls
 
 REPO = Path(__file__).resolve().parents[2]
 LOG_TAIL_LINES = 30
+STACK_DUMP_WAIT_S = 2.0  # for the ranks' SIGUSR1 stack dumps to reach the log before the kill
+TORCHRUN_CLOSE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM, then SIGKILLs them
+RANK_EXIT_S = 10.0  # a rank whose torchrun is gone, before it is killed
+FOLLOW_POLL_S = 0.2
 # torchrun's failure summary names each failed rank with its exit code; -9 is SIGKILL.
 _KILLED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*-9\b")
 
@@ -100,15 +109,21 @@ def remove_torn_writes(directory: str) -> None:
             os.unlink(stale)
 
 
-def _pump(stream, log, echo: bool) -> None:
+def _follow(path: str, offset: int, done: threading.Event) -> None:
+    """verbose=true: the log as it grows, from `offset` on, to the terminal, until `done` (then what is left)."""
     # text through sys.stderr (not its buffer): a live progress line redirects it to print above itself
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    for chunk in iter(lambda: stream.read1(4096), b""):
-        log.write(chunk)
-        log.flush()
-        if echo:
-            sys.stderr.write(decoder.decode(chunk))
-            sys.stderr.flush()
+    with open(path, "rb") as log:
+        log.seek(offset)
+        while True:
+            finished = done.is_set()
+            chunk = log.read()
+            if chunk:
+                sys.stderr.write(decoder.decode(chunk))
+                sys.stderr.flush()
+            if finished:
+                return
+            done.wait(FOLLOW_POLL_S)
 
 
 def _read_log(path: str) -> str:
@@ -125,7 +140,9 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     spec.verbose the ranks' own output too; None shows nothing (the log has it all)."""
     stage_dir = os.path.abspath(stage_dir)  # workers run from the repository root
     os.makedirs(stage_dir, exist_ok=True)
-    for stale in [*glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json")), feed_path(stage_dir)]:
+    stale_files = [*glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json")), feed_path(stage_dir),
+                   *glob.glob(os.path.join(glob.escape(stage_dir), STALL_FILE.format(rank="*")))]
+    for stale in stale_files:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(stale)
     remove_torn_writes(stage_dir)
@@ -141,34 +158,58 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     start = time.perf_counter()
     failure = None
     display = StageDisplay(console, label or stage, feed_path(stage_dir)) if console is not None else None
-    # a resumed stage keeps the killed run's log
-    with open(log_path, "ab" if spec.resume else "wb") as log, display or contextlib.nullcontext():
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    # A resumed stage keeps the killed run's log. The tree writes into the file itself, not into a pipe: ranks
+    # whose launcher died (and a pipe's reader with it) still log, and write what they measured. Appending: the
+    # launcher's own notes (stacks, stalls) land after what the tree wrote.
+    if not spec.resume:
+        open(log_path, "wb").close()
+    with open(log_path, "ab") as log, display or contextlib.nullcontext():
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
-        echo = console is not None and spec.verbose
-        pump = threading.Thread(target=_pump, args=(proc.stdout, log, echo), daemon=True)
-        pump.start()
+        done = threading.Event()
+        echo = None
+        if console is not None and spec.verbose:
+            echo = threading.Thread(target=_follow, args=(log_path, log.tell(), done), daemon=True)
+            echo.start()
         try:
             returncode = proc.wait(timeout=spec.launcher.timeout_s)
         except subprocess.TimeoutExpired:
+            _dump_stacks(proc, log)
             _kill_tree(proc)
             returncode = None
             failure = {"status": "timeout", "error": {
-                "message": f"stage {stage} still running after launcher.timeout_s={spec.launcher.timeout_s}; killed",
+                "message": f"stage {stage} still running after launcher.timeout_s={spec.launcher.timeout_s}; killed "
+                           f"(every rank's stacks are in {log_path})",
                 "phase": None}}
         except BaseException:  # Ctrl-C in the sweep: the run's own session does not get the terminal's signal
             _kill_tree(proc)
             raise
-        pump.join(timeout=10)
+        stalled = stalls(stage_dir)
+        for stall in stalled:
+            log.write(f"\n==== rank {stall.rank} stalled; its watchdog's report ====\n{stall.text}\n".encode())
+        log.flush()
+        done.set()
+        if echo is not None:
+            echo.join(timeout=10)
     wall = time.perf_counter() - start
     ranks = []
     for path in sorted(glob.glob(os.path.join(glob.escape(stage_dir), "rank*.json"))):
         with open(path) as f:
             ranks.append(json.load(f))
-    if failure is None and len(ranks) < spec.launcher.nproc:
+    if stalled:  # the cause: the other ranks' failures follow from it
+        failure = stall_failure(stalled, log_path)
+    elif failure is None and len(ranks) < spec.launcher.nproc:
         failure = missing_ranks_failure(spec.launcher.nproc, [r["rank"] for r in ranks], returncode,
                                         _read_log(log_path))
     return StageOutcome(ranks=ranks, wall_time_s=wall, failure=failure)
+
+
+def stall_failure(stalled: list[Stall], log_path: str) -> dict[str, Any]:
+    """A stalled rank's run is a `timeout` (it ran out of time, in one phase rather than in all), named."""
+    reasons = "; ".join(s.reason for s in stalled)
+    return {"status": "timeout", "error": {
+        "message": f"rank(s) {[s.rank for s in stalled]} stalled: {reasons}. Every thread's stack is in {log_path}",
+        "phase": None, "stalled_ranks": [s.rank for s in stalled]}}
 
 
 def _die_with_parent() -> None:
@@ -183,14 +224,40 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
+def _ranks(proc: subprocess.Popen, recursive: bool = False) -> list[psutil.Process]:
+    """torchrun's children: its ranks, each in a session of its own, out of reach of torchrun's group
+    (`recursive`: with whatever processes the ranks started)."""
+    try:
+        return psutil.Process(proc.pid).children(recursive=recursive)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _dump_stacks(proc: subprocess.Popen, log) -> None:
+    """Each rank writes every thread's stack to the log (SIGUSR1: bench.run.watchdog), one after another."""
+    for rank in _ranks(proc):
+        log.write(f"\n==== launcher.timeout_s reached: the stacks of pid {rank.pid} ====\n".encode())
+        log.flush()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.send_signal(signal.SIGUSR1)
+        time.sleep(STACK_DUMP_WAIT_S)
+
+
 def _kill_tree(proc: subprocess.Popen) -> None:
-    for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    """SIGTERM to torchrun, which passes it to its ranks (they write what they measured) and waits up to 30 s
+    for them; then SIGKILL to whatever of the tree is left. A rank gets SIGTERM once: a second one could cut
+    its record short."""
+    ranks = _ranks(proc, recursive=True)  # before torchrun ends: its orphans are no longer its children
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=TORCHRUN_CLOSE_S)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    _, alive = psutil.wait_procs(ranks, timeout=RANK_EXIT_S)
+    for rank in alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            rank.kill()
+    psutil.wait_procs(alive, timeout=RANK_EXIT_S)

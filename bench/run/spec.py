@@ -176,12 +176,14 @@ class LauncherSpec:
     nproc: int = 1
     threads_per_rank: int = 1
     timeout_s: float = 1800.0
+    stall_s: float = 900.0
     device: str = "auto"
 
     def __post_init__(self) -> None:
         _int("launcher.nproc", self.nproc, 1)
         _int("launcher.threads_per_rank", self.threads_per_rank, 1)
         _positive_float("launcher.timeout_s", self.timeout_s)
+        _positive_float("launcher.stall_s", self.stall_s)
         _choice("launcher.device", self.device, DEVICES)
 
 

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 import psutil
@@ -33,15 +34,27 @@ from bench.run.progress import ProgressFeed, feed_path
 from bench.run.reward_stats import HeldoutStatistics, write_statistics
 from bench.run.spec import RunSpec, UnsupportedError
 from bench.run.step_log import WandbSteps
+from bench.run.watchdog import RankWatchdog, stall_path
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "cannot allocate memory")
 
 
+# A rank told to stop (SIGTERM) has this long to write what it measured, whatever it is blocked in.
+CUT_SHORT_GRACE_S = 60.0
+
+
 class CutShort(BaseException):  # noqa: N818 -- not an error of the run: a signal from outside
-    """SIGTERM arrived (the launcher's timeout, a cluster's pre-emption): write what was measured, then exit."""
+    """SIGTERM arrived (the launcher's timeout, a cluster's pre-emption, torchrun's end): write what was
+    measured, then exit."""
+
+
+_watchdog: RankWatchdog | None = None
 
 
 def _raise_cut_short(signum: int, _frame) -> None:
+    signal.signal(signal.SIGTERM, _note_late_signal)  # a second one must not cut the record it is writing
+    if _watchdog is not None:
+        _watchdog.final(CUT_SHORT_GRACE_S, signal.Signals(signum).name)
     raise CutShort(f"cut short by {signal.Signals(signum).name}")
 
 
@@ -49,8 +62,8 @@ _late_signals: list[str] = []
 
 
 def _note_late_signal(signum: int, _frame) -> None:
-    """Once a rank is closing, a SIGTERM (torchrun stopping the survivors of a rank that died) must not cost
-    what it measured: it is noted, not raised."""
+    """Once a rank is closing or already cut short, a SIGTERM (torchrun stopping the survivors of a rank that
+    died, a second stop request) must not cost what it measured: it is noted, not raised."""
     _late_signals.append(signal.Signals(signum).name)
 
 
@@ -92,7 +105,9 @@ def classify(err: BaseException) -> str:
     return "error"
 
 
-def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) -> dict[str, Any]:
+def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
+             watchdog: RankWatchdog | None = None) -> dict[str, Any]:
+    """`watchdog`: told of each phase, JIT op load, the save and the close (its stall timer re-armed)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -114,8 +129,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
         if feed is not None:
             observers.append(feed)
-            tracker.on_phase = feed.phase
-        jit_ops.install(on_load=feed.jit_op if feed is not None else None)
+        tracker.on_phase = _phase_listener(feed, watchdog)
+        jit_ops.install(on_load=_jit_listener(feed, watchdog))
         # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
         # before it builds a model. Growth is measured from here, so frameworks compare on their own work.
         with tracker.phase("imports"):
@@ -149,6 +164,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             )
             result["error"] = {"message": reason, "phase": "training"}
         else:
+            if watchdog is not None:
+                watchdog.beat("the save began")
             start = time.perf_counter()
             result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
             result["save_s"] = time.perf_counter() - start
@@ -174,6 +191,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
             result["phase_samples"] = tracker.samples
         result.update(model_build_s=model_build_seconds(), jit_ops_s=jit_ops.seconds())
         if adapter is not None and "cut_short" not in result:  # a cut-short rank must not wait on its peers
+            if watchdog is not None:
+                watchdog.beat("the close began")
             start = time.perf_counter()
             try:
                 adapter.close()
@@ -181,11 +200,33 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]) ->
                 result.setdefault("notes", []).append(f"close failed: {err}")
             result["close_s"] = time.perf_counter() - start
         if _late_signals:
-            result.setdefault("notes", []).append(f"{', '.join(_late_signals)} arrived while the rank was closing")
+            result.setdefault("notes", []).append(
+                f"{', '.join(_late_signals)} arrived while the rank was closing or already stopping")
     return result
 
 
+def _phase_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str, int | None], None]:
+    def started(name: str, step: int | None) -> None:
+        if feed is not None:
+            feed.phase(name)
+        if watchdog is not None:
+            watchdog.beat(f"phase {name!r}" + (f" of step {step}" if step is not None else "") + " began")
+
+    return started
+
+
+def _jit_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str], None]:
+    def loading(name: str) -> None:
+        if feed is not None:
+            feed.jit_op(name)
+        if watchdog is not None:
+            watchdog.beat(f"JIT op {name} began loading")
+
+    return loading
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _watchdog
     faulthandler.enable()
     signal.signal(signal.SIGTERM, _raise_cut_short)
     parser = argparse.ArgumentParser(description=__doc__)
@@ -198,7 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.spec) as f:
         spec = RunSpec.from_dict(json.load(f))
     init = {k: v for k, v in (("sft", args.init_sft), ("rm", args.init_rm)) if v}
-    result = run_rank(spec, args.stage, args.stage_dir, init)
+    _watchdog = RankWatchdog(stall_path(args.stage_dir, int(os.environ.get("RANK", 0))), int(os.environ.get("RANK", 0)),
+                             spec.launcher.stall_s)
+    _watchdog.watch_parent()
+    result = run_rank(spec, args.stage, args.stage_dir, init, _watchdog)
     result["lifetime_s"] = time.time() - psutil.Process().create_time()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what was measured is written whatever arrives now
     write_json(os.path.join(args.stage_dir, f"rank{result['rank']}.json"), result)
