@@ -13,7 +13,7 @@ from bench.run.spec import spec_from_config
 
 
 def _rank_env() -> dict[str, str]:
-    return launcher._env(spec_from_config(compose(["launcher.threads_per_rank=1"])))
+    return launcher.rank_env(spec_from_config(compose(["launcher.threads_per_rank=1"])))
 
 
 @pytest.mark.skipif(sys.prefix == sys.base_prefix, reason="needs a virtual environment (the project's .venv)")

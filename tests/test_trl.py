@@ -19,7 +19,8 @@ from adapters.hf_trl.adapter import _answer_mask
 from adapters.hf_trl.driver import LoopDriver
 from bench.run.config import compose
 from bench.run.data import EOS, PAD, SyntheticData
-from bench.run.spec import SpecError, UnsupportedError, spec_from_config
+from bench.run.launcher import rank_env
+from bench.run.spec import RunSpec, SpecError, UnsupportedError, spec_from_config
 from tests.processes import run_tree
 
 
@@ -170,8 +171,10 @@ def _plain(stage_dir: str, stage: str, tmp_path, init: dict[str, str]) -> list[d
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
                "-m", "adapters.hf_trl.plain", os.path.join(stage_dir, "spec.json"), stage, str(out)]
     command += [arg for key, path in init.items() for arg in (f"--init-{key}", path)]
+    with open(os.path.join(stage_dir, "spec.json")) as f:
+        env = rank_env(RunSpec.from_dict(json.load(f)))  # the environment the harness's ranks had
     try:
-        run_tree(command, timeout=600, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        run_tree(command, timeout=600, env=env)
     except subprocess.SubprocessError as err:  # a stall's stacks (bench.run.watchdog) or the end of its output
         stall = tmp_path / "stall-rank0.txt"
         told = stall.read_text() if stall.exists() and "Timeout (" in stall.read_text() else ""

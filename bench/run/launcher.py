@@ -51,7 +51,9 @@ class StageOutcome:
     failure: dict[str, Any] | None  # set when the process tree failed or ranks are missing
 
 
-def _env(spec: RunSpec) -> dict[str, str]:
+def rank_env(spec: RunSpec) -> dict[str, str]:
+    """The environment every rank runs in: this process's, with thread counts, offline Hugging Face, unbuffered
+    output and the repository on the path."""
     env = dict(os.environ)
     threads = str(spec.launcher.threads_per_rank)
     env.update(
@@ -164,7 +166,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     if not spec.resume:
         open(log_path, "wb").close()
     with open(log_path, "ab") as log, display or contextlib.nullcontext():
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(spec), stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=REPO, env=rank_env(spec), stdout=log, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent)
         done = threading.Event()
         echo = None
