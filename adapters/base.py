@@ -68,17 +68,30 @@ class TrainOutput:
         self.losses[role] = loss
 
 
-def optimizer_step_count(optimizer: Any) -> int:
-    """How many steps a torch optimizer has taken (the largest `step` in its state), found inside wrappers
-    (accelerate's AcceleratedOptimizer, colossalai's OptimizerWrapper and ZeRO optimizers)."""
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
+    """The torch optimizer inside wrappers (accelerate's AcceleratedOptimizer, colossalai's OptimizerWrapper and
+    ZeRO optimizers, DeepSpeed's engines and ZeRO optimizers), or None."""
     for _ in range(4):
         if isinstance(optimizer, torch.optim.Optimizer):
-            break
+            return optimizer
         optimizer = getattr(optimizer, "optimizer", None) or getattr(optimizer, "optim", None)
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    return optimizer if isinstance(optimizer, torch.optim.Optimizer) else None
+
+
+def optimizer_step_count(optimizer: Any) -> int:
+    """How many steps a torch optimizer has taken (the largest `step` in its state), found inside wrappers."""
+    optimizer = torch_optimizer(optimizer)
+    if optimizer is None:
         return 0
     steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
     return int(max(steps)) if steps else 0
+
+
+def current_lr(optimizer: Any) -> float | None:
+    """The learning rate the optimizer's next step applies to its first parameter group (the main weights; a
+    LoRA group with a rate of its own comes later), read from the optimizer a scheduler writes to."""
+    optimizer = torch_optimizer(optimizer)
+    return float(optimizer.param_groups[0]["lr"]) if optimizer is not None and optimizer.param_groups else None
 
 
 def merge_micro(outs: list[TrainOutput]) -> TrainOutput:
@@ -210,6 +223,12 @@ class Adapter(ABC):
     #: last (DS-Chat, coati); True = all of a step's rollouts first, then their update (trlx's learn)
     updates_after_all_rollouts = False
 
+    def rollouts_per_step(self) -> int:
+        """Prompt batches (of `batch` prompts each) a PPO step generates and scores: grad_accum, one per
+        micro-batch, unless the framework collects a rollout buffer of its own (coati's num_collect_steps,
+        trlx's num_rollouts)."""
+        return self.spec.grad_accum
+
     def ends_accumulation(self, role: str) -> bool:
         """Counts a micro-batch of `role`: whether it completes grad_accum of them, so the optimizer steps.
         Engines that count micro-batches themselves (DeepSpeed's gradient_accumulation_steps) need not ask."""
@@ -312,6 +331,12 @@ class Adapter(ABC):
     def trained_optimizers(self) -> dict[str, Any]:
         """The optimizers of the trained roles (any wrapper: optimizer_step_count finds the torch one inside)."""
         return {}
+
+    def learning_rates(self) -> dict[str, float]:
+        """Per trained role, the learning rate its next optimizer step applies (current_lr): the loop records it
+        at each step's start, so a schedule shows in the step records."""
+        rates = {role: current_lr(optimizer) for role, optimizer in self.trained_optimizers().items()}
+        return {role: rate for role, rate in rates.items() if rate is not None}
 
     def accumulation(self) -> dict[str, dict[str, int]]:
         """grad_accum as the engines ran it, per trained role: the micro-batches run and the optimizer steps the

@@ -19,21 +19,31 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return pos.clamp(min=0)
 
 
+def filled_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions as trlx's make_experience and loss compute them (and HF generate for GPT-2): the real tokens
+    counted from 0, every masked token at position 1."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.masked_fill(attention_mask == 0, 1)
+
+
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     mask = mask.to(values.dtype)
     return (values * mask).sum() / mask.sum().clamp(min=1)
 
 
 def kl_penalised_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, score: torch.Tensor, start: int,
-                         action_mask: torch.Tensor, kl_coef: float, clip: float) -> tuple[torch.Tensor, torch.Tensor]:
+                         action_mask: torch.Tensor, kl_coef: float, clip: float, eos_is_pad: bool = False
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """DS-Chat's DeepSpeedPPOTrainer.compute_rewards (the plain-PyTorch reference uses the same): -kl_coef *
-    (logp - logp_ref) per action, plus the reward model's score clipped to +-clip on each row's last answer
-    action. Returns (rewards, ends), `ends` the index one past each row's last answer action.
+    (logp - logp_ref) per action, plus the reward model's score clipped to +-clip on each row's EOS action.
+    Returns (rewards, ends), `ends` the index one past that action.
 
-    DS-Chat's pad id equals its EOS id, so its mask drops the EOS and its `+ 1` lands the score on the EOS
-    action; with separate pad and EOS ids (as here) that action is the last unmasked one, so no `+ 1`."""
+    `eos_is_pad` (DS-Chat: pad id = EOS id): the mask drops the EOS action and upstream's
+    `ends = start + mask.sum + 1` lands the score on it (on the last action where a row has no EOS).
+    Without (the reference keeps the ids apart) the EOS action is the last unmasked one: no `+ 1`."""
     rewards = -kl_coef * (log_probs - ref_log_probs)
-    ends = start + action_mask[:, start:].sum(1)
+    # a row that never emitted EOS ends at the last action (upstream's slice `rewards[j, start:ends[j]]` stops there)
+    ends = (start + action_mask[:, start:].sum(1) + int(eos_is_pad)).clamp(max=rewards.shape[1])
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, ends - 1] += score.clamp(-clip, clip)  # one position per row: same as upstream's per-row loop
     return rewards, ends

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from adapters.base import Adapter, ModelState, RankContext
+from adapters.colossalai import schedule
 from adapters.colossalai.engines import Engines
 from adapters.colossalai.experience import ExperienceMaker
 from adapters.colossalai.lora import merged_state_dict
@@ -61,6 +62,7 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
         self.models: dict[str, Any] = {}
         self.optimizers: dict[str, Any] = {}
         self.boosters: dict[str, Any] = {}
+        self.schedulers: dict[str, Any] = {}  # trained role -> its LR scheduler (stepped after its optimizer)
         self._counts: dict[str, ParamCounts] = {}
         self._dtypes: dict[str, str] = {}
         self._on_device = True
@@ -146,19 +148,21 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
 
     def save_checkpoint(self, stage: str, directory: str) -> None:
         """coati's save_checkpoint (coati/utils/ckpt_io.py) per trained model: the booster's sharded save of
-        the model ("modeling") and of the optimizer ("optimizer"); no LR scheduler exists here."""
+        the model ("modeling"), of the optimizer ("optimizer") and the LR scheduler ("lr_scheduler")."""
         for role, optimizer in self.optimizers.items():
             base = os.path.join(directory, role)
             os.makedirs(os.path.join(base, "modeling"), exist_ok=True)
             self.boosters[role].save_model(self.models[role], os.path.join(base, "modeling"), shard=True)
             self.boosters[role].save_optimizer(optimizer, os.path.join(base, "optimizer"), shard=True)
+            self.boosters[role].save_lr_scheduler(self.schedulers[role], os.path.join(base, "lr_scheduler"))
 
     def load_checkpoint(self, stage: str, directory: str) -> None:
-        """coati's load_checkpoint: the booster loads the model, then the optimizer."""
+        """coati's load_checkpoint: the booster loads the model, the optimizer, then the LR scheduler."""
         for role, optimizer in self.optimizers.items():
             base = os.path.join(directory, role)
             self.boosters[role].load_model(self.models[role], os.path.join(base, "modeling"))
             self.boosters[role].load_optimizer(optimizer, os.path.join(base, "optimizer"))
+            self.boosters[role].load_lr_scheduler(self.schedulers[role], os.path.join(base, "lr_scheduler"))
 
     def params(self) -> dict[str, ParamCounts]:
         return dict(self._counts)
@@ -170,6 +174,16 @@ class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
 
     def trained_optimizers(self) -> dict[str, Any]:
         return dict(self.optimizers)
+
+    #: OLTrainer.fit: num_collect_steps rollouts into the buffer, then the update over all of them
+    updates_after_all_rollouts = True
+
+    def rollouts_per_step(self) -> int:
+        """A step is one episode: num_collect_steps rollouts of `batch` prompts (--experience_batch_size)."""
+        return self.options.ppo.num_collect_steps
+
+    def upstream_defects(self) -> list[dict[str, str]]:
+        return [dict(schedule.UPSTREAM_DEFECT)] if self.schedulers else []
 
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {role: self.models[role] for role in self.optimizers}

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from adapters.colossalai import schedule
 from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
 from adapters.comm_knobs import deepspeed_comm
@@ -88,14 +89,24 @@ class Engines:
         else:
             convert_to_lora(model, self.spec.lora, options)
 
-    def _boost(self, role: str, model: torch.nn.Module, lr: float | None, plugin: Any) -> None:
+    def _boost(self, role: str, model: torch.nn.Module, lr: float | None, plugin: Any, stage: str = "") -> None:
+        """Boost a model; a trained one (`lr` given) with its optimizer and the stage's LR schedule."""
         self._counts[role] = count_params(model)
-        optimizer = self._optimizer(model, lr) if lr is not None else None
+        optimizer = scheduler = None
+        if lr is not None:
+            optimizer = self._optimizer(model, lr)
+            total = self.spec.steps[stage] if stage != "ppo" else self.options.ppo_optimizer_steps(self.spec)
+            warmup = schedule.warmup_steps(self.options.warmup_steps, total)
+            scheduler = schedule.build_scheduler(optimizer, warmup, total)
+            note = f"LR schedule: CosineAnnealingWarmupLR, {warmup} warm-up of {total} steps, eta_min 0.1 x lr"
+            if note not in self._notes:
+                self._notes.append(note)
         booster = self._booster_cls(plugin=plugin)
-        model, optimizer, *_ = booster.boost(model=model, optimizer=optimizer)
+        model, optimizer, _, _, scheduler = booster.boost(model=model, optimizer=optimizer, lr_scheduler=scheduler)
         self.models[role], self.boosters[role] = model, booster
         if optimizer is not None:
             self.optimizers[role] = optimizer
+            self.schedulers[role] = scheduler
         else:
             model.eval()
 
@@ -128,13 +139,13 @@ class Engines:
             self._lora(model)
             if self.spec.grad_ckpt:
                 model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self._boost("actor", model, self.spec.stage_lr("sft"), plugin)
+            self._boost("actor", model, self.spec.stage_lr("sft"), plugin, stage)
         elif stage == "rm":
             model = self._value_model(RewardModel, init.get("rm"))
             self._lora(model)
             if self.spec.grad_ckpt:
                 model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            self._boost("reward", model, self.spec.stage_lr("rm"), self._value_plugin(plugin, model))
+            self._boost("reward", model, self.spec.stage_lr("rm"), self._value_plugin(plugin, model), stage)
         else:
             self._setup_ppo(init, plugin)
         optimizer = "HybridAdam" if self.options.optimizer == "hybrid_adam" else "torch AdamW"
@@ -155,8 +166,8 @@ class Engines:
         if self.spec.grad_ckpt:
             actor.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             critic.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self._boost("actor", actor, self.spec.stage_lr("actor"), plugin)
-        self._boost("critic", critic, self.spec.stage_lr("critic"), value_plugin)
+        self._boost("actor", actor, self.spec.stage_lr("actor"), plugin, "ppo")
+        self._boost("critic", critic, self.spec.stage_lr("critic"), value_plugin, "ppo")
         reward, ref = self._value_model(RewardModel, init.get("rm")), self._lm(init.get("sft"))
         for role, model, quant, role_plugin in (("reward", reward, self.spec.reward.quant, value_plugin),
                                                 ("ref", ref, self.spec.reference.quant, plugin)):
@@ -170,8 +181,11 @@ class Engines:
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
         source = "the RM checkpoint" if critic_ckpt else "the SFT backbone with a fresh value head"
         self._notes.append(f"critic starts from {source}")
+        ppo = self.options.ppo
         self._notes.append(
-            f"PPO: {self.options.ppo.num_update_steps} update pass(es) per rollout (coati's default is 5); "
+            f"PPO: an episode per step: {ppo.num_collect_steps} rollouts into the host buffer, "
+            f"{ppo.num_update_steps} update pass(es) over it in shuffled minibatches of "
+            f"{self.options.train_batch_size(self.spec)} (train_ppo.sh: 1 pass; the argparse default 5); "
             "positions skip left padding in every forward; the RM scores the stop token and the critic uses the "
             "rollout's layout for old and new values (coati: one pad late, and misaligned by prompt padding)"
         )

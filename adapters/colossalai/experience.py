@@ -66,7 +66,7 @@ class ExperienceMaker:
         ref_log_probs = gather_log_probs(base_model_output[:, :-1], seq[:, 1:])[:, -num_actions:]
         # actor_output and base_model_output stay referenced through the reward and critic calls, as upstream.
         score = self.models["reward"](*_right_padded(seq, mask))
-        values = self.models["critic"](seq, mask)[:, -num_actions:] * action_mask
+        values = self.models["critic"](seq, mask, position_ids(mask))[:, -num_actions:] * action_mask
         self._dtypes.update({"experience/log_probs": str(log_probs.dtype), "experience/values": str(values.dtype),
                              "experience/reward_score": str(score.dtype)})
         action_mask_f = action_mask.to(log_probs.dtype)
@@ -75,8 +75,11 @@ class ExperienceMaker:
         scaled = self.reward_scaling(score)  # reward.normalize (none upstream), before coati's clip
         rewards += scaled.clamp(-ppo.reward_clip, ppo.reward_clip)[:, None].to(rewards.dtype) * action_mask_f
         advantages, _ = gae(values.to(rewards.dtype), rewards, 0, ppo.gamma, ppo.lam)  # every action position
-        payload = {"seq": seq, "mask": mask, "action_mask": action_mask_f, "log_probs": log_probs,
-                   "values": values, "advantages": advantages}
+        # the finished experience goes to the host (naive.py: Experience(sequences.cpu(), ...)); the update moves
+        # each minibatch back
+        payload = {key: value.cpu() for key, value in (
+            ("seq", seq), ("mask", mask), ("action_mask", action_mask_f), ("log_probs", log_probs),
+            ("values", values), ("advantages", advantages))}
         del actor_output, base_model_output
         return Experience(
             payload=payload,

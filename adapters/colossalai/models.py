@@ -23,8 +23,10 @@ class _ValueModel(nn.Module):
     def get_output_embeddings(self) -> None:  # a value model has no LM head to tie
         return None
 
-    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids=input_ids, attention_mask=attention_mask)["last_hidden_state"]
+    def _hidden(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask,
+                          position_ids=position_ids)["last_hidden_state"]
 
 
 class RewardModel(_ValueModel):
@@ -37,6 +39,8 @@ class RewardModel(_ValueModel):
 
 
 class Critic(_ValueModel):
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        hidden = self._hidden(input_ids, attention_mask)
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token values; `position_ids` those of the actor's forwards (left padding skipped)."""
+        hidden = self._hidden(input_ids, attention_mask, position_ids)
         return self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)

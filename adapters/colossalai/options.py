@@ -41,6 +41,8 @@ class PPOOptions:
     top_k: int = 50
     rollout_seed: int | None = 41
     num_update_steps: int = 1
+    num_collect_steps: int = 2
+    train_batch_size: int | None = None
     logits_forward_batch_size: int = 2
     offload_inference_models: bool = True
 
@@ -75,7 +77,8 @@ class ColossalOptions:
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     initial_scale: float = 2.0**16
-    critic_from_rm: bool = True
+    critic_from_rm: bool = False
+    warmup_steps: int | None = None
     lora: LoraOptions = field(default_factory=LoraOptions)
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
@@ -108,6 +111,15 @@ class ColossalOptions:
         if options.ppo.logits_forward_batch_size < 1:
             raise SpecError(f"framework.ppo.logits_forward_batch_size={options.ppo.logits_forward_batch_size} "
                             "must be >= 1")
+        warmup = options.warmup_steps
+        if warmup is not None and (isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0):
+            raise SpecError(f"framework.warmup_steps={options.warmup_steps!r} must be null (int(0.025 x the stage's "
+                            "steps), as upstream) or an integer >= 0")
+        for name in ("num_collect_steps", "train_batch_size"):
+            value = getattr(options.ppo, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise SpecError(f"framework.ppo.{name}={value!r} must be an integer >= 1"
+                                + (" or null (the harness's batch)" if name == "train_batch_size" else ""))
         if options.ppo.num_update_steps < 1:
             raise SpecError(f"framework.ppo.num_update_steps={options.ppo.num_update_steps} must be >= 1")
         for name, plugin in options.plugins.items():
@@ -117,6 +129,17 @@ class ColossalOptions:
                     f"choose one of: {', '.join(PLUGIN_CLASSES)}"
                 )
         return options
+
+    def train_batch_size(self, spec: RunSpec) -> int:
+        """Samples per PPO training step (--train_batch_size); null = the harness's batch, as train_ppo.sh passes
+        --train_batch_size equal to --experience_batch_size."""
+        return self.ppo.train_batch_size or spec.batch
+
+    def ppo_optimizer_steps(self, spec: RunSpec) -> int:
+        """Optimizer steps of a PPO stage: per episode num_update_steps passes over ceil-free minibatches of the
+        buffer (drop_last), an optimizer step every grad_accum of them (the counter runs across episodes)."""
+        per_pass = self.ppo.num_collect_steps * spec.batch // self.train_batch_size(spec)
+        return -(-spec.steps["ppo"] * self.ppo.num_update_steps * per_pass // spec.grad_accum)
 
     def resolve_plugin(self, spec: RunSpec) -> PluginChoice:
         """The plugin this run boosts with, from `plugin` (or the auto_plugin table) and the common knobs."""
@@ -179,6 +202,11 @@ class ColossalOptions:
     def validate(cls, spec: RunSpec) -> ColossalOptions:
         options = cls.from_dict(spec.framework_options)
         plugin = options.resolve_plugin(spec)
+        buffer = options.ppo.num_collect_steps * spec.batch
+        if "ppo" in spec.stages and options.train_batch_size(spec) > buffer:
+            raise SpecError(f"framework.ppo.train_batch_size={options.ppo.train_batch_size} exceeds the buffer of "
+                            f"num_collect_steps x batch = {buffer} samples: coati's loader drops the last partial "
+                            "minibatch, so nothing would train")
         if plugin.cls == "TorchDDPPlugin" and spec.grad_clip:
             raise UnsupportedError(f"grad_clip={spec.grad_clip} with plugin={plugin.name}: TorchDDPPlugin takes no "
                                    "max_norm and ColossalChat's ddp path clips nothing (use a ZeRO plugin)")

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.data import DataLoader
 
 from adapters.base import Experience, TrainOutput
 from adapters.grad_norm import global_grad_norm
@@ -42,6 +43,7 @@ class Update:
             own_norm = global_grad_norm(self.models[role].parameters())
         optimizer.step()
         optimizer.zero_grad()
+        self.schedulers[role].step()  # coati steps its schedulers after the optimizers, skipped step or not
         skipped = bool(fp16 and float(mixin.found_overflow) > 0)
         if own_norm is None and not skipped and hasattr(optimizer, "get_grad_norm"):
             norm = optimizer.get_grad_norm()
@@ -106,38 +108,54 @@ class Update:
         return self._pair_scores(batch)
 
     def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
-        (experience,) = experiences  # each collected batch is trained as it comes (num_collect_steps 1)
-        p = experience.payload
+        """An episode's update (OLTrainer.fit): the buffer of num_collect_steps rollouts, kept on the host
+        (NaiveExperienceBuffer's cpu_offload), num_update_steps passes, each over a shuffled loader of
+        train_batch_size minibatches without the last partial one (drop_last), each moved to the device and
+        trained by _training_step; both optimizers step every grad_accum-th minibatch."""
+        ppo = self.options.ppo
+        buffer = {key: torch.cat([e.payload[key] for e in experiences]) for key in experiences[0].payload}
+        size = self.options.train_batch_size(self.spec)
+        out = TrainOutput(losses={}, tokens=0, samples=0)
+        skips = steps = 0
+        for _ in range(ppo.num_update_steps):
+            for indices in shuffled_minibatches(len(buffer["seq"]), size):
+                batch = {key: value[indices].to(self.ctx.device) for key, value in buffer.items()}
+                skips += int(self._training_step(batch, out))
+                steps += 1
+        out.metrics["policy_skip_ratio"] = skips / max(1, steps)
+        return out
+
+    def _training_step(self, p: dict[str, torch.Tensor], out: TrainOutput) -> bool:
+        """PPOTrainer._training_step on one minibatch; returns whether PolicyLoss skipped the actor's backward."""
         ppo = self.options.ppo
         seq, mask, action_mask = p["seq"], p["mask"], p["action_mask"]
         num_actions = action_mask.shape[1]
         actor, critic = self.models["actor"], self.models["critic"]
-        out = TrainOutput(losses={}, tokens=0, samples=0)
-        skips = 0
-        for _ in range(ppo.num_update_steps):
-            actor.train()
-            critic.train()
-            logits, _ = self._logits("actor", input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
-                                     use_cache=False)
-            log_probs = gather_log_probs(logits[:, :-1], seq[:, 1:])[:, -num_actions:]
-            actor_loss, skip, max_ratio = _policy_loss(log_probs, p["log_probs"], p["advantages"], action_mask,
-                                                       ppo.eps_clip, ppo.skip_threshold, ppo.ratio_max)
-            if not skip:
-                self._backward("actor", actor_loss)
-            skips += int(skip)
-            values = self.models["critic"](seq, mask)[:, -num_actions:]
-            self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
-            critic_loss = ppo.vf_coef * _value_loss(values, p["values"], p["advantages"], action_mask,
-                                                     ppo.value_clip)
-            self._backward("critic", critic_loss)
-            self._step("actor", float(actor_loss.detach()), out)
-            self._step("critic", float(critic_loss.detach()), out)
-            out.metrics["max_ratio"] = float(max_ratio)
-            out.tokens += experience.tokens
-            out.samples += experience.samples
-        out.metrics["policy_skip_ratio"] = skips / ppo.num_update_steps
-        return out
+        actor.train()
+        critic.train()
+        logits, _ = self._logits("actor", input_ids=seq, attention_mask=mask, position_ids=position_ids(mask),
+                                 use_cache=False)
+        log_probs = gather_log_probs(logits[:, :-1], seq[:, 1:])[:, -num_actions:]
+        actor_loss, skip, max_ratio = _policy_loss(log_probs, p["log_probs"], p["advantages"], action_mask,
+                                                   ppo.eps_clip, ppo.skip_threshold, ppo.ratio_max)
+        if not skip:
+            self._backward("actor", actor_loss)
+        values = self.models["critic"](seq, mask, position_ids(mask))[:, -num_actions:]
+        self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
+        critic_loss = ppo.vf_coef * _value_loss(values, p["values"], p["advantages"], action_mask, ppo.value_clip)
+        self._backward("critic", critic_loss)
+        self._step("actor", float(actor_loss.detach()), out)
+        self._step("critic", float(critic_loss.detach()), out)
+        out.metrics["max_ratio"] = float(max_ratio)
+        out.tokens += int(mask.sum())
+        out.samples += seq.shape[0]
+        return skip
 
+
+def shuffled_minibatches(samples: int, size: int) -> list[list[int]]:
+    """The sample indices of each minibatch of PPOTrainer's `DataLoader(buffer, batch_size=size, shuffle=True,
+    drop_last=True)`, drawn by that loader over the indices (so from torch's global generator as upstream's)."""
+    return [batch.tolist() for batch in DataLoader(range(samples), batch_size=size, shuffle=True, drop_last=True)]
 
 
 def precision_mixin(optimizer: Any) -> Any:

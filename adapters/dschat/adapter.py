@@ -99,6 +99,11 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         return {"micro_batches": {role: int(self.engines[role].micro_steps) for role in roles},
                 "optimizer_steps": {role: int(self.engines[role].global_steps) for role in roles}}
 
+    def learning_rates(self) -> dict[str, float]:
+        """The rate of each trained engine's first parameter group, from the engine (its scheduler writes it)."""
+        roles = ("actor", "critic") if "critic" in self.engines else tuple(self.engines)
+        return {role: float(self.engines[role].get_lr()[0]) for role in roles}
+
     def trained_modules(self) -> dict[str, torch.nn.Module]:
         return {role: engine.module for role, engine in self._trained().items()}
 

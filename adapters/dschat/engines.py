@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from adapters.comm_knobs import deepspeed_comm
-from adapters.dschat import ds_config, fp16_zero0
+from adapters.dschat import ds_config, fp16_zero0, schedule
 from adapters.dschat.lora import UPSTREAM_LORA_SCALING, convert_to_lora, only_optimize_lora
 from adapters.dschat.options import lora_module_names
 from adapters.dschat.reward_model import RewardModel
@@ -139,10 +139,18 @@ class Engines:
         return ds_config.train_config(self.spec, self.options, self.ctx.world_size, overlap, hybrid_engine,
                                       deepspeed_comm(self.spec, self.ctx.device))
 
-    def _train_engine(self, model: torch.nn.Module, lr: float, config: dict[str, Any], grad_ckpt: bool):
+    def _train_engine(self, model: torch.nn.Module, lr: float, config: dict[str, Any], grad_ckpt: bool,
+                      stage: str):
         if grad_ckpt:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        engine, *_ = self.ds.initialize(model=model, optimizer=self._optimizer(model, lr), config=config)
+        optimizer = self._optimizer(model, lr)
+        total = self.spec.steps[stage] * (self.options.ppo.ppo_epochs if stage == "ppo" else 1)
+        warmup = schedule.warmup_steps(stage, self.options.num_warmup_steps[stage], total)
+        scheduler = schedule.build_scheduler(optimizer, self.options.lr_scheduler_type, warmup, total)
+        engine, *_ = self.ds.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
+        note = f"LR schedule: {self.options.lr_scheduler_type}, {warmup} warm-up of {total} optimizer steps"
+        if note not in self._notes:
+            self._notes.append(note)
         return engine
 
     def _watch_fp16_defect(self, role: str) -> None:
@@ -161,7 +169,7 @@ class Engines:
         from adapters.quantize import quantize_frozen_model
 
         self.quantized[role] = quantize_frozen_model(self.spec, role, model, self.ctx.device, lambda ids, mask: (
-            model.forward_value(ids, mask)["chosen_end_scores"]))
+            model.forward_value(ids, mask, self.spec.prompt_len)["chosen_end_scores"]))
         self._notes.append(f"{role}: {self.quantized[role].mode} weights ({self.quantized[role].library}), outside "
                            "DeepSpeed, whole on every rank (a harness extension)")
         return QuantizedEngine(model)
@@ -171,13 +179,15 @@ class Engines:
             config = self._train_config()
             model = self._build_lm(config, init.get("sft"))
             self._apply_lora(model, config, self.spec.lora, ())
-            self.engines["actor"] = self._train_engine(model, self.spec.stage_lr("sft"), config, self.spec.grad_ckpt)
+            self.engines["actor"] = self._train_engine(model, self.spec.stage_lr("sft"), config, self.spec.grad_ckpt,
+                                                       "sft")
             self._watch_fp16_defect("actor")
         elif stage == "rm":
             config = self._train_config()
             model = self._build_reward_model(config, init.get("rm"))
             self._apply_lora(model, config, self.spec.lora, ("v_head",))  # DS-Chat PR #758: the RM head trains
-            self.engines["reward"] = self._train_engine(model, self.spec.stage_lr("rm"), config, self.spec.grad_ckpt)
+            self.engines["reward"] = self._train_engine(model, self.spec.stage_lr("rm"), config, self.spec.grad_ckpt,
+                                                        "rm")
             self._watch_fp16_defect("reward")
         else:
             self._setup_ppo(init)
@@ -201,7 +211,7 @@ class Engines:
         actor = self._build_lm(actor_config, init.get("sft"), self.options.actor_dropout)
         self._apply_lora(actor, actor_config, self.spec.lora, ())
         # DS-Chat checkpoints the actor only during its update (see ppo_train), not during generation.
-        self.engines["actor"] = self._train_engine(actor, self.spec.stage_lr("actor"), actor_config, False)
+        self.engines["actor"] = self._train_engine(actor, self.spec.stage_lr("actor"), actor_config, False, "ppo")
         if hybrid:
             containers = len(getattr(self.engines["actor"], "_inference_containers", []))
             kernels = "inference kernels in use" if containers else "no inference kernels: native HF generate()"
@@ -219,7 +229,7 @@ class Engines:
         self._apply_lora(critic, critic_config, self.options.critic_lora_dim, ())
         # DS-Chat enables critic checkpointing once, at init.
         self.engines["critic"] = self._train_engine(
-            critic, self.spec.stage_lr("critic"), critic_config, self.spec.grad_ckpt
+            critic, self.spec.stage_lr("critic"), critic_config, self.spec.grad_ckpt, "ppo"
         )
         if self.spec.reward.quant != "none":
             reward = self._build_reward_model(_UNSHARDED, init.get("rm"), self.options.critic_dropout)

@@ -15,7 +15,7 @@ import torch
 
 from adapters.base import Experience, Rollout
 from adapters.rl_math import gather_log_probs, masked_mean, position_ids
-from bench.run.data import EOS, PAD, PromptBatch
+from bench.run.data import EOS, PAD, PromptBatch, pad_is_eos_mask
 
 
 class ExperienceMaker:
@@ -53,11 +53,13 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> Experience:
-        seq, mask = rollout.sequences, rollout.attention_mask
+        # generate_experience's `seq.not_equal(pad_token_id)`, the pad being the EOS: the EOS action leaves both
+        # losses, and the reward model reads the token before it
+        seq, mask = rollout.sequences, pad_is_eos_mask(rollout.sequences)
         positions = position_ids(mask)
         output = self.engines["actor"](input_ids=seq, attention_mask=mask, position_ids=positions)
         output_ref = self.engines["ref"](input_ids=seq, attention_mask=mask, position_ids=positions)
-        score = self.engines["reward"].forward_value(seq, mask)["chosen_end_scores"]
+        score = self.engines["reward"].forward_value(seq, mask, rollout.prompt_len)["chosen_end_scores"]
         values = self.engines["critic"].forward_value(seq, mask)["values"][:, :-1]
         logits, logits_ref = self._upcast(output.logits), self._upcast(output_ref.logits)
         log_probs = gather_log_probs(logits[:, :-1], seq[:, 1:])

@@ -17,6 +17,7 @@ from bench.run.spec import (
 )
 
 OPTIMIZERS = ("fused_adam", "torch_adamw")
+SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")  # --lr_scheduler_type (transformers')
 
 
 def lora_module_names(targets: tuple[str, ...] | None, default: str) -> tuple[str, ...]:
@@ -67,6 +68,8 @@ class DSChatOptions:
     critic_dropout: float | None = None
     compute_fp32_loss: bool = False
     fix_fp16_zero0_loss_scale: bool = False
+    lr_scheduler_type: str = "cosine"
+    num_warmup_steps: dict[str, int | None] = field(default_factory=lambda: {"sft": 0, "rm": 0, "ppo": None})
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
     @classmethod
@@ -75,7 +78,9 @@ class DSChatOptions:
         data.pop("default_precision", None)  # the config group's default for the common `precision` knob
         try:
             ppo = PPOOptions(**dict(data.pop("ppo", {})))
-            options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))), "ppo": ppo})
+            warmup = {"sft": 0, "rm": 0, "ppo": None, **dict(data.pop("num_warmup_steps", None) or {})}
+            options = cls(**{**data, "betas": tuple(data.get("betas", (0.9, 0.95))), "ppo": ppo,
+                             "num_warmup_steps": warmup})
         except TypeError as err:
             raise SpecError(f"framework (dschat): {err}") from None
         if options.optimizer not in OPTIMIZERS:
@@ -96,6 +101,15 @@ class DSChatOptions:
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                       or not 0 <= value < 1):
                 raise SpecError(f"framework.{name}={value!r} must be null (keep the model's) or a number in [0, 1)")
+        if options.lr_scheduler_type not in SCHEDULERS:
+            raise SpecError(f"framework.lr_scheduler_type={options.lr_scheduler_type!r} is not allowed; choose one "
+                            f"of: {', '.join(SCHEDULERS)}")
+        for stage, value in options.num_warmup_steps.items():
+            if stage not in ("sft", "rm", "ppo"):
+                raise SpecError(f"framework.num_warmup_steps.{stage}: no such stage; it takes sft, rm and ppo")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise SpecError(f"framework.num_warmup_steps.{stage}={value!r} must be null (upstream's) or an "
+                                "integer >= 0")
         if options.ppo.ppo_epochs < 1:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
         return options

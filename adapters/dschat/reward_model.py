@@ -9,13 +9,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from adapters.rl_math import position_ids
-from bench.run.data import PAD
+from bench.run.data import EOS, PAD
 
 
-def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Index of each row's last real token (sequences may be left- and right-padded)."""
-    width = attention_mask.shape[1]
-    return width - 1 - attention_mask.flip(1).long().argmax(1)
+def end_index(input_ids: torch.Tensor, prompt_length: int = 0) -> torch.Tensor:
+    """Per row, the index of the first pad at or after `prompt_length` (the sequence's width if none), as
+    RewardModel.forward / forward_value find it (`input_id[prompt_length:] == self.PAD_ID`); DS-Chat's pad id is
+    its EOS id, so the first EOS counts as that pad and the score is read one token before it."""
+    tail = (input_ids[:, prompt_length:] == PAD) | (input_ids[:, prompt_length:] == EOS)
+    found = tail.any(1)
+    return torch.where(found, tail.long().argmax(1) + prompt_length, torch.full_like(found, input_ids.shape[1],
+                                                                                     dtype=torch.long))
 
 
 class RewardModel(nn.Module):
@@ -46,13 +50,10 @@ class RewardModel(nn.Module):
         pairs = input_ids.shape[0] // 2
         chosen_ids, rejected_ids = input_ids[:pairs], input_ids[pairs:]
         chosen_v, rejected_v = values[:pairs], values[pairs:]
-        width = input_ids.shape[1]
         losses, chosen_end, rejected_end = [], [], []
+        c_ends, r_ends = end_index(chosen_ids), end_index(rejected_ids)
         for i in range(pairs):
-            c_pad = (chosen_ids[i] == PAD).nonzero()
-            r_pad = (rejected_ids[i] == PAD).nonzero()
-            c_ind = int(c_pad[0]) if len(c_pad) else width
-            r_ind = int(r_pad[0]) if len(r_pad) else width
+            c_ind, r_ind = int(c_ends[i]), int(r_ends[i])
             diverged = (chosen_ids[i] != rejected_ids[i]).nonzero()
             if len(diverged) == 0:
                 end, start = c_ind, c_ind - 1
@@ -67,7 +68,12 @@ class RewardModel(nn.Module):
             "rejected_end_scores": torch.stack(rejected_end),
         }
 
-    def forward_value(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    def forward_value(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      prompt_length: int | None = None) -> dict[str, torch.Tensor]:
+        """Per-token values and, given `prompt_length`, per row the value one token before the first pad (EOS)
+        after the prompt; without it the values only (the critic's `return_value_only=True`)."""
         values = self.values(input_ids, attention_mask)
-        ends = last_token_index(attention_mask)
-        return {"values": values, "chosen_end_scores": values.gather(1, ends[:, None]).squeeze(1)}
+        if prompt_length is None:
+            return {"values": values}
+        ends = end_index(input_ids, prompt_length)
+        return {"values": values, "chosen_end_scores": values.gather(1, (ends - 1)[:, None]).squeeze(1)}

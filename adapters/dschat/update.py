@@ -13,7 +13,7 @@ import torch
 from adapters.base import Experience, TrainOutput
 from adapters.dschat import fp16_zero0
 from adapters.grad_norm import global_grad_norm
-from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, policy_loss, position_ids, value_loss
+from adapters.rl_math import gae, gather_log_probs, kl_penalised_rewards, masked_mean, policy_loss, position_ids
 from bench.run.data import PreferenceBatch, SFTBatch
 
 
@@ -104,7 +104,7 @@ class Update:
         old_values = p["values"].clone()
         with torch.no_grad():
             rewards, ends = kl_penalised_rewards(p["log_probs"], p["ref_log_probs"], p["score"], start, action_mask,
-                                                 ppo.kl_ctl, ppo.clip_reward_value)
+                                                 ppo.kl_ctl, ppo.clip_reward_value, eos_is_pad=True)
             for j in range(rewards.shape[0]):
                 old_values[j, int(ends[j]):] = 0
                 rewards[j, int(ends[j]):] = 0
@@ -121,10 +121,11 @@ class Update:
             actor_loss = policy_loss(log_probs[:, start:], p["log_probs"][:, start:], advantages,
                                      action_mask[:, start:], ppo.cliprange)
             self._backward_step("actor", actor_loss, out)
-            values = self._upcast(critic.forward_value(seq, mask)["values"][:, :-1])
-            self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
-            critic_loss = value_loss(values[:, start:], old_values[:, start:], returns,
-                                     action_mask[:, start:], ppo.cliprange_value)
+            values = critic.forward_value(seq, mask)["values"][:, :-1]
+            critic_loss = critic_loss_fn(values[:, start:], old_values[:, start:], returns, action_mask[:, start:],
+                                         ppo.cliprange_value, self.options.compute_fp32_loss)
+            self._dtypes.update({"update/log_probs": str(log_probs.dtype),
+                                 "update/values": str(self._upcast(values).dtype)})
             self._backward_step("critic", critic_loss, out)
             del actor_prob
             out.tokens += experience.tokens
@@ -133,3 +134,13 @@ class Update:
             actor.module.gradient_checkpointing_disable()
         return out
 
+
+
+def critic_loss_fn(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+                   cliprange_value: float, fp32: bool) -> torch.Tensor:
+    """DeepSpeedPPOTrainer.critic_loss_fn: the values clamped around the old ones in the model's dtype, then
+    (--compute_fp32_loss) both upcast; half the larger squared error, masked mean."""
+    clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+    if fp32:
+        values, clipped = values.float(), clipped.float()
+    return 0.5 * masked_mean(torch.max((values - returns) ** 2, (clipped - returns) ** 2), mask)

@@ -48,6 +48,10 @@ UPSTREAM_CLIP = 1.0  # trlx's configs/accelerate/zero*.yaml: gradient_clipping 1
 
 class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
     updates_after_all_rollouts = True  # learn(): make_experience(num_rollouts) first, then the passes over them
+
+    def rollouts_per_step(self) -> int:
+        """num_rollouts in generate calls of chunk_size = batch prompts (a step is one learning phase)."""
+        return self.options.num_rollouts(self.spec) // self.spec.batch
     phase_roles = {
         "sft": {"training": ("actor",)},
         "rm": {"training": ("reward",), "evaluation": ("reward",)},
@@ -93,6 +97,8 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
             import peft  # noqa: F401
         self.model: Any = None
         self.optimizer: Any = None
+        self.scheduler: Any = None
+        self._stage = ""
         self.role = "actor"
         self.ref_model: torch.nn.Module | None = None
         self.reward_model: torch.nn.Module | None = None

@@ -14,6 +14,7 @@ import torch
 
 from adapters.lora_targets import suffixes
 from adapters.state_bytes import tensor_bytes
+from adapters.trlx import schedule
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
 from bench.measure.params import ParamCounts
 from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params
@@ -48,11 +49,21 @@ class Engines:
             target = model.base_model if isinstance(model, PolicyWithValueHead) else model
             target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
             self._notes.append("gradient checkpointing: a harness extension (trlx's trainers have no such knob)")
-        self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+        stage = {"actor": "sft" if self._stage == "sft" else "ppo", "reward": "rm"}[role]
+        scheduler = schedule.build_scheduler(stage, optimizer, lr, self.options.scheduler_t_max,
+                                             self.options.scheduler_eta_min, self.options.rm_warmup_steps,
+                                             self.spec.steps[stage])
+        if stage == "rm":  # HF's Trainer steps its own scheduler once per optimizer step
+            self.model, self.optimizer = self.accelerator.prepare(model, optimizer)
+            self.accelerator.register_for_checkpointing(scheduler)
+            self.scheduler = scheduler
+        else:  # trlx prepares it: accelerate steps it with the optimizer (DeepSpeed's engine, at ZeRO > 0)
+            self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         self.model.eval()
         self.role = role
 
     def setup(self, stage: str, init: dict[str, str]) -> None:
+        self._stage = stage
         if stage == "sft":
             model = self._lm(init.get("sft"))
             if self.spec.lora:

@@ -11,13 +11,26 @@ trlx's rollout store keeps it. A rollout keeps its own width: prompt plus the ba
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from adapters.base import Experience, Rollout
-from adapters.rl_math import gather_log_probs, position_ids
-from bench.run.data import EOS, PAD, PromptBatch
+from adapters.rl_math import filled_position_ids, gather_log_probs
+from bench.run.data import EOS, PAD, PromptBatch, pad_is_eos_mask
+
+
+@dataclass
+class PPOElement:
+    """trlx's PPORLElement: one sample as the rollout store keeps it (host memory)."""
+
+    query: torch.Tensor  # the prompt's tokens (left padded)
+    response: torch.Tensor  # the answer's tokens, right padded to its rollout's longest answer
+    log_probs: torch.Tensor  # the stored span (stored_span): policy log-probs
+    values: torch.Tensor
+    rewards: torch.Tensor
 
 
 class ExperienceMaker:
@@ -89,13 +102,16 @@ class ExperienceMaker:
 
     def _reference_logits(self, seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         if self.ref_model is not None:
-            return self.ref_model(input_ids=seq, attention_mask=mask, position_ids=position_ids(mask)).logits
+            return self.ref_model(input_ids=seq, attention_mask=mask, position_ids=filled_position_ids(mask)).logits
         return self.model(seq, mask, reference=True)
 
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> Experience:
-        seq, mask, start = rollout.sequences, rollout.attention_mask, rollout.prompt_len - 1
-        rm_scores, scores = self._scores(seq, mask)
+        seq, start = rollout.sequences, rollout.prompt_len - 1
+        rm_scores, scores = self._scores(seq, rollout.attention_mask)
+        # make_experience's `all_tokens.not_equal(pad_token_id)`: the pad is the EOS (AccelerateRLTrainer sets
+        # the missing pad token to "<|padding|>", which GPT-2's and GPT-J's tokenizers resolve to <|endoftext|>)
+        mask = pad_is_eos_mask(seq)
         values, outputs = self.model(seq, mask)  # logits, hidden states and KV cache: alive on purpose
         ref_logits = self._reference_logits(seq, mask)
         log_probs = gather_log_probs(outputs.logits[:, :-1], seq[:, 1:])
@@ -103,19 +119,41 @@ class ExperienceMaker:
         self._dtypes.update({"experience/log_probs": str(log_probs.dtype), "experience/values": str(values.dtype),
                              "experience/reward_score": str(next(self.reward_model.parameters()).dtype)
                              if self.reward_model is not None else "rank 0"})
-        action_mask = mask[:, 1:].to(log_probs.dtype)
-        log_ratio = (log_probs - ref_log_probs) * action_mask
-        rewards = -self._kl_coef * log_ratio[:, start:]
-        ends = action_mask[:, start:].sum(1).long()
-        rewards[torch.arange(len(ends)), (ends - 1).clamp(min=0)] += scores.to(rewards.dtype)
-        response_mask = action_mask[:, start:]
+        log_ratio, span, rewards = stored_rewards(log_probs, ref_log_probs, mask, start, scores, self._kl_coef)
         response_values = values[:, :-1][:, start:]
-        # trlx stores each sample's own response span on the host and pads the batch with zeros.
-        payload = {"seq": seq.cpu(), "mask": mask.cpu(), "start": start, "log_probs": log_probs[:, start:].cpu(),
-                   "values": (response_values * response_mask.to(values.dtype)).cpu(),
-                   "rewards": (rewards * response_mask).cpu()}
-        kl = float((log_ratio[:, start:].float().sum(1)).mean())
-        value = float((response_values.float() * response_mask).sum() / response_mask.sum().clamp(min=1))
+        # trlx's rollout store: per sample, on the host, its prompt, its answer (padded to this rollout's longest)
+        # and its own span of log-probs, values and rewards (update.collate pads a minibatch's spans with zeros)
+        lengths = span.sum(1).long().tolist()
+        payload = [PPOElement(query=seq[i, :rollout.prompt_len].cpu(), response=seq[i, rollout.prompt_len:].cpu(),
+                              log_probs=log_probs[i, start:start + n].cpu(), values=response_values[i, :n].cpu(),
+                              rewards=rewards[i, :n].cpu())
+                   for i, n in enumerate(lengths)]
+        kl = float((log_ratio[:, start:].float() * span).sum(1).mean())
+        value = float((response_values.float() * span).sum() / span.sum().clamp(min=1))
         del outputs
         return Experience(payload=payload, reward=float(rm_scores.mean()), kl=kl, value=value,
                           tokens=rollout.real_tokens, samples=rollout.samples)
+
+
+def stored_span(mask: torch.Tensor, start: int) -> torch.Tensor:
+    """[B, width - 1 - start]: which response entries make_experience stores per row, from `start` (the last prompt
+    position) to `ends = start + attention_mask[:, start:].sum(1) + 1`, cut at the log-probs' width. A row that
+    ends in EOS before the batch's longest stores its answer, the EOS action and one pad action (its last entry,
+    where the score lands); the longest stores its answer and the EOS action; a row without EOS, its answer."""
+    width = mask.shape[1] - 1
+    ends = (start + mask[:, start:].sum(1) + 1).clamp(max=width)
+    columns = torch.arange(start, width, device=mask.device)
+    return (columns[None, :] < ends[:, None]).long()
+
+
+def stored_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, start: int,
+                   scores: torch.Tensor, kl_coef: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """make_experience's rewards: -kl_coef x the log-ratio, each action masked by its preceding token's mask
+    (`attention_mask[:, :-1]`), over the stored span, the score added to the span's last entry. Returns
+    (log_ratio [B, width - 1], span and rewards [B, width - 1 - start])."""
+    log_ratio = (log_probs - ref_log_probs) * mask[:, :-1].to(log_probs.dtype)
+    span = stored_span(mask, start).to(log_probs.dtype)
+    rewards = -kl_coef * log_ratio[:, start:] * span
+    last = span.sum(1).long() - 1  # "Final reward given at EOS": the last stored entry
+    rewards[torch.arange(len(last)), last] += scores.to(rewards.dtype)
+    return log_ratio, span, rewards

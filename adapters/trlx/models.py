@@ -14,7 +14,7 @@ from contextlib import nullcontext
 import torch
 from torch import nn
 
-from adapters.rl_math import position_ids
+from adapters.rl_math import filled_position_ids, position_ids
 
 
 def make_value_head(hidden: int) -> nn.Module:
@@ -81,7 +81,7 @@ class PolicyWithValueHead(nn.Module):
         if reference:
             return self._reference_logits(input_ids, attention_mask)
         out = self.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                              position_ids=position_ids(attention_mask), output_hidden_states=True)
+                              position_ids=filled_position_ids(attention_mask), output_hidden_states=True)
         values = self.v_head(out.hidden_states[-1].to(self.v_head[0].weight.dtype)).squeeze(-1)
         return values, out
 
@@ -92,7 +92,7 @@ class PolicyWithValueHead(nn.Module):
         if self.frozen_head is None:
             with self.base_model.disable_adapter():
                 return self.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=position_ids(attention_mask)).logits
+                                       position_ids=filled_position_ids(attention_mask)).logits
         _, out = self.forward(input_ids, attention_mask)
         return self.frozen_head(out.hidden_states[-(self.hydra_layers + 1)], attention_mask)
 

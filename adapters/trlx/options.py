@@ -39,6 +39,7 @@ class PPOOptions:
     scale_reward: str = "running"
     cliprange_reward: float = 10.0
     ppo_epochs: int = 4
+    num_rollouts: int | None = None
     top_k: int = 0
     top_p: float = 1.0
 
@@ -57,6 +58,9 @@ class TrlxOptions:
     rm_unfrozen_fraction: float | None = 0.3
     reward_batch_size: int = 48
     reward_device: str | None = None
+    scheduler_t_max: float = 1e12
+    scheduler_eta_min: float | None = None
+    rm_warmup_steps: int = 0
     lora: LoraOptions = field(default_factory=LoraOptions)
     ppo: PPOOptions = field(default_factory=PPOOptions)
 
@@ -73,6 +77,14 @@ class TrlxOptions:
         if options.reference not in REFERENCES:
             raise SpecError(f"framework.reference={options.reference!r} is not allowed; "
                             f"choose one of: {', '.join(REFERENCES)}")
+        if not options.scheduler_t_max > 0:
+            raise SpecError(f"framework.scheduler_t_max={options.scheduler_t_max!r} must be > 0")
+        if options.scheduler_eta_min is not None and not options.scheduler_eta_min >= 0:
+            raise SpecError(f"framework.scheduler_eta_min={options.scheduler_eta_min!r} must be null (the learning "
+                            "rate: a constant rate, as trlx's configs) or >= 0")
+        if isinstance(options.rm_warmup_steps, bool) or not isinstance(options.rm_warmup_steps, int) \
+                or options.rm_warmup_steps < 0:
+            raise SpecError(f"framework.rm_warmup_steps={options.rm_warmup_steps!r} must be an integer >= 0")
         if options.optimizer != "adamw":
             raise SpecError(f"framework.optimizer={options.optimizer!r} is not allowed; choose one of: adamw")
         if options.ppo.scale_reward not in SCALE_REWARD:
@@ -94,6 +106,12 @@ class TrlxOptions:
             raise SpecError(f"framework.reward_device={device!r} is not allowed; choose null (rank 0's training "
                             "device), cpu or cuda:N")
         return options
+
+    def num_rollouts(self, spec: RunSpec) -> int:
+        """Rollouts per rank a learning phase trains on: `ppo.num_rollouts`, or upstream's ratio to the optimizer
+        step's samples (default_ppo_config: 128 rollouts, batch_size 32) with train.batch_size = batch x
+        grad_accum: 4 x batch x grad_accum."""
+        return self.ppo.num_rollouts or 4 * spec.batch * spec.grad_accum
 
     def reference_mode(self, lora: int) -> str:
         """auto follows trlx: peft with LoRA, else a hydra branch, or a full copy at num_layers_unfrozen=-1."""
@@ -120,6 +138,12 @@ class TrlxOptions:
                                    "its NeMo trainers do")
         if spec.zero == 0:
             refuse_comm_knobs(spec, "trlx at zero=0 trains through accelerate's DDP, not DeepSpeed")
+        rollouts, per_step = options.ppo.num_rollouts, spec.batch * spec.grad_accum
+        if rollouts is not None and (isinstance(rollouts, bool) or not isinstance(rollouts, int) or rollouts < 1
+                                     or rollouts % per_step):
+            raise SpecError(f"framework.ppo.num_rollouts={rollouts!r} must be null (4 x batch x grad_accum, "
+                            f"upstream's ratio) or a positive multiple of batch x grad_accum = {per_step}: whole "
+                            "minibatches (train.batch_size) of whole generate calls (chunk_size = batch)")
         mode = options.reference_mode(spec.lora)
         if mode == "peft" and not spec.lora:
             raise UnsupportedError("framework.reference=peft needs lora > 0: the reference is the policy with its "

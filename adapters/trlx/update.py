@@ -12,11 +12,14 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils.rnn import pad_sequence
+from torch.utils.data import DataLoader
 
 from adapters.base import Experience, TrainOutput
 from adapters.grad_norm import global_grad_norm
 from adapters.rl_math import gae, gather_log_probs
-from bench.run.data import PreferenceBatch, SFTBatch
+from adapters.trlx.experience import PPOElement
+from bench.run.data import PAD, PreferenceBatch, SFTBatch, pad_is_eos_mask
 
 
 class Update:
@@ -59,6 +62,7 @@ class Update:
                 accelerator.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad()
+        self.scheduler.step()  # learn(): after opt.step(); HF's Trainer (RM) as well
         if engine is not None:
             skipped = engine.skipped_steps > skipped_before
             norm = engine.get_global_grad_norm()
@@ -101,47 +105,75 @@ class Update:
         return scores[:n], scores[n:]
 
     def ppo_train(self, experiences: list[Experience]) -> TrainOutput:
-        """learn(): `ppo_epochs` passes over the step's rollouts, each pass one minibatch of grad_accum
-        micro-batches (train.batch_size = batch x grad_accum, minibatch_size = batch)."""
+        """learn() over the rollout store (num_rollouts samples per rank, from the step's generate calls):
+        `ppo_epochs` passes, each over a new shuffled loader of minibatches of train.batch_size = batch x
+        grad_accum samples (collated: padded to the minibatch's longest), each split into grad_accum
+        micro-batches of `batch`; opt.step() per minibatch, the adaptive KL controller after each pass."""
         ppo = self.options.ppo
         out = TrainOutput(losses={}, tokens=0, samples=0)
-        micro = [self._micro_batch(e) for e in experiences]
+        store = [element for e in experiences for element in e.payload]
+        size = self.spec.batch * self.spec.grad_accum
         for _ in range(ppo.ppo_epochs):
-            for experience, (p, advantages, returns, response_mask) in zip(experiences, micro, strict=True):
-                seq, mask, start = p["seq"], p["mask"], p["start"]
-                values, outputs = self.model(seq, mask)  # eval mode, as trlx's loss forward
-                log_probs = gather_log_probs(outputs.logits[:, :-1], seq[:, 1:])[:, start:]
-                values = values[:, :-1][:, start:]
-                self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
-                loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, p["log_probs"], p["values"], advantages,
-                                                   returns, response_mask, ppo)
-                self._backward_step(loss, out)
-                out.metrics.update(policy_loss=float(pg_loss), value_loss=float(vf_loss))
-                out.tokens += experience.tokens
-                out.samples += experience.samples
-            if ppo.target is not None:  # AdaptiveKLController.update after each inner epoch
+            # create_train_dataloader: a new shuffled loader every pass, drawn from torch's global generator
+            for indices in DataLoader(range(len(store)), batch_size=size, shuffle=True):
+                minibatch = collate([store[i] for i in indices.tolist()])
+                for micro in range(0, size, self.spec.batch):
+                    self._micro_step({k: v[micro:micro + self.spec.batch] for k, v in minibatch.items()}, out)
+            if ppo.target is not None:  # post_backward_callback: kl_ctl.update(mean_kl, n_steps=batch_size)
                 samples = sum(e.samples for e in experiences)
                 kl = sum(e.kl * e.samples for e in experiences) / samples
                 error = max(-0.2, min(0.2, kl / ppo.target - 1))
-                self._kl_coef *= 1 + error * samples / ppo.horizon
+                self._kl_coef *= 1 + error * size / ppo.horizon
         out.metrics["kl_coef"] = self._kl_coef
         return out
 
-    def _micro_batch(self, experience: Experience):
-        """One rollout's tensors on the device, with its GAE advantages (whitened, as loss() does per
-        micro-batch), returns and response mask."""
+    def _micro_step(self, micro: dict[str, torch.Tensor], out: TrainOutput) -> None:
+        """loss() on one micro-batch: GAE and whitening over its padded spans, the joint loss from a forward in
+        eval mode over prompt + answer, masked by the answer tokens (`attention_mask[:, start + 1:end + 1]`)."""
         ppo = self.options.ppo
-        p = {k: v.to(self.ctx.device) if torch.is_tensor(v) else v for k, v in experience.payload.items()}
-        response_mask = p["mask"][:, 1:][:, p["start"]:].to(p["values"].dtype)
-        advantages, returns = gae(p["values"], p["rewards"], 0, ppo.gamma, ppo.lam)
-        return p, _whiten(advantages), returns, response_mask
+        micro = {k: v.to(self.ctx.device) for k, v in micro.items()}
+        tokens, old_values = micro["tokens"], micro["values"]
+        start, length = micro["query_width"][0].item() - 1, old_values.shape[1]
+        advantages, returns = gae(old_values, micro["rewards"], 0, ppo.gamma, ppo.lam)
+        mask = pad_is_eos_mask(tokens)
+        values, outputs = self.model(tokens, mask)
+        log_probs = gather_log_probs(outputs.logits[:, :-1], tokens[:, 1:])[:, start:start + length]
+        values = values[:, :-1][:, start:start + length]
+        self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
+        response_mask = mask[:, start + 1:start + 1 + length].to(values.dtype)
+        loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, micro["log_probs"], old_values, whiten(advantages),
+                                           returns, response_mask, ppo)
+        self._backward_step(loss, out)
+        out.metrics.update(policy_loss=float(pg_loss), value_loss=float(vf_loss))
+        out.tokens += int((tokens != PAD).sum())
+        out.samples += tokens.shape[0]
 
 
-def _whiten(x: torch.Tensor) -> torch.Tensor:
-    """trlx's whiten with global statistics across ranks (mean shifted out)."""
+def optimizer_steps(num_rollouts: int, batch_size: int, ppo_epochs: int) -> int:
+    """Optimizer steps of one learning phase: ppo_epochs passes over a loader of ceil(num_rollouts / batch_size)
+    minibatches, opt.step() after each."""
+    return ppo_epochs * -(-num_rollouts // batch_size)
+
+
+def collate(elements: list[PPOElement]) -> dict[str, torch.Tensor]:
+    """ppo_collate_fn: the prompts (all one width here), the answers right padded to the longest with the pad
+    id, the spans padded to the longest with zeros; `tokens` = prompt + answer."""
+    responses = pad_sequence([e.response for e in elements], batch_first=True, padding_value=PAD)
+    queries = torch.stack([e.query for e in elements])
+    spans = {key: pad_sequence([getattr(e, key) for e in elements], batch_first=True, padding_value=0.0)
+             for key in ("log_probs", "values", "rewards")}
+    return {"tokens": torch.cat([queries, responses], dim=1), **spans,
+            "query_width": torch.full((len(elements),), queries.shape[1])}
+
+
+def whiten(x: torch.Tensor) -> torch.Tensor:
+    """trlx's whiten (mean shifted out). Across ranks it takes get_global_statistics' mean and biased variance;
+    in one process (where accelerate starts no process group) torch.var_mean's unbiased variance."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        var, mean = torch.var_mean(x)
+        return (x - mean) * torch.rsqrt(var + 1e-8)
     stats = torch.tensor([x.sum(), (x * x).sum(), x.numel()], dtype=torch.float64, device=x.device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(stats)
+    dist.all_reduce(stats)
     mean = stats[0] / stats[2]
     var = stats[1] / stats[2] - mean**2
     return ((x - mean) * torch.rsqrt(var.clamp(min=0) + 1e-8)).to(x.dtype)

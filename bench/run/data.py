@@ -15,6 +15,13 @@ import torch
 PAD = 0
 EOS = 1
 FIRST_TOKEN = 2
+
+
+def pad_is_eos_mask(ids: torch.Tensor) -> torch.Tensor:
+    """The attention mask of a framework whose pad id is its EOS id (`ids != pad_token_id`: DS-Chat sets
+    `pad_token = eos_token` for every non-Llama tokenizer; trlx's GPT-2/GPT-J tokenizers resolve their pad to
+    <|endoftext|>): the EOS reads as padding. PAD and EOS are separate ids here, so both are masked."""
+    return ((ids != PAD) & (ids != EOS)).long()
 CHOSEN_PREFERRED_P = 0.7
 REJECTED_PREFERRED_P = 0.05
 TEMPLATE_TOKENS = 16

@@ -233,10 +233,9 @@ class StageLoop:
         if self.adapter.shuttles_models:
             self._measure(direction, step, lambda: {"tokens": None, "samples": None, **self.adapter.shuttle(direction)})
 
-    def _rollout(self, step: int, index: int, figures: dict[str, float]) -> tuple[Experience, int]:
+    def _rollout(self, step: int, index: int, figures: dict[str, float], k: int) -> tuple[Experience, int]:
         """One rollout of a PPO step (the `index`th prompt batch): generation and experience making, measured;
-        its reward, KL, value and preferred-token share added to `figures` as its share of the step's mean."""
-        k = self.spec.grad_accum
+        its reward, KL, value and preferred-token share added to `figures` as its share (1/k) of the step's mean."""
         prompts = self.data.prompts(index)
         self._shuttle("onload", step)
         rollout = self._measure("generation", step, lambda: self.adapter.generate(prompts), _generation_context)
@@ -253,9 +252,11 @@ class StageLoop:
 
     def _step(self, stage: str, step: int) -> dict[str, Any]:
         """One optimizer step: grad_accum micro-batches (PPO: rollouts), each its own measured phase(s)."""
+        # the rates this step's optimizer steps apply (a scheduler moves them after each optimizer step)
         record: dict[str, Any] = {"step": step}
-        k = self.spec.grad_accum
-        micro = [step * k + i for i in range(k)]  # every micro-batch draws its own data
+        record.update({f"lr/{role}": lr for role, lr in self.adapter.learning_rates().items()})
+        k = self.spec.grad_accum if stage not in ROLLOUT_STAGES else self.adapter.rollouts_per_step()
+        micro = [step * k + i for i in range(k)]  # every micro-batch (rollout) draws its own data
         if stage == "sft":
             def sft(i: int):
                 batch = self.data.sft(i)
@@ -267,11 +268,11 @@ class StageLoop:
                 return self._measure("training", step, lambda: self.adapter.rm_step(batch), batch.chosen_ids.shape[1])
             out = merge_micro([rm(i) for i in micro])
         else:
-            # what each rollout leaves for the record; only trlx keeps a step's experiences for its update
+            # what each rollout leaves for the record; trlx and coati keep a step's experiences for one update
             figures = dict.fromkeys(("reward", "kl", "value", "preferred_fraction", "generated_tokens"), 0.0)
             held, outs = [], []
             for i in micro:
-                experience, width = self._rollout(step, i, figures)
+                experience, width = self._rollout(step, i, figures, k)
                 if self.adapter.updates_after_all_rollouts:
                     held.append((experience, width))
                 else:

@@ -149,7 +149,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         result["computation_dtypes"] = adapter.computation_dtypes()
         result["quantized"] = adapter.quantized_roles()
         result["engine_knobs"] = adapter.engine_knobs()
-        if spec.grad_accum > 1:  # micro-batches and optimizer steps as the engines counted them
+        # micro-batches and optimizer steps as the engines counted them (a PPO step's count is the framework's)
+        if spec.grad_accum > 1 or stage == "ppo":
             result["engine_knobs"]["accumulation"] = adapter.accumulation()
         if spec.lora:  # which layers the built models adapt, with which alpha
             result["engine_knobs"]["lora"] = adapter.lora_knobs()
