@@ -11,7 +11,8 @@ The schedule is applied in its closed form (`cosine_warmup_factor`): the class a
 (UPSTREAM_DEFECT). Its cosine stage is torch's chainable CosineAnnealingLR, which colossalai's WarmupScheduler
 asks for a rate outside torch's own initial step; torch 2.13 tells that step by a flag (`_is_initial`), no longer
 by `last_epoch == 0`, so the first cosine rate is scaled by 2 / (1 + cos(pi / T)) and every later one follows
-from it: 1.15 x the base rate at step 0 of a 4-step run without warm-up.
+from it: 1.15 x the base rate at step 0 of a 4-step run without warm-up. (colossalai 0.5.0 asks for torch <=
+2.5.1; the harness runs it beside torch 2.13, as scripts/setup.sh says.)
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ UPSTREAM_DEFECT = {
              "CosineAnnealingLR.get_lr outside that scheduler's initial step",
     "effect": "the cosine stage starts above the base rate (x 2 / (1 + cos(pi / T)), T its length) and never "
               "follows the cosine: 1.15 x lr at step 0 of 4 without warm-up, 1.3 x lr at step 1 of 4 after 1",
-    "handling": "the adapter applies CosineAnnealingWarmupLR's closed form (linear warm-up, cosine to 0.1 x lr), "
-                "what the class computes under the torch releases that tested last_epoch == 0",
+    "handling": "the adapter applies the schedule CosineAnnealingWarmupLR's docstring states, in closed form "
+                "(linear warm-up, cosine to 0.1 x lr)",
 }
 
 
