@@ -1,4 +1,4 @@
-"""The GPU check: the key configurations of every adapter on one CUDA device, into one folder, in ~8 minutes.
+"""The GPU check: the key configurations of every adapter on one CUDA device, into one folder.
 
     python scripts/gpu_check.py --out results/gpu-check     # needs CUDA: refuses to run (exit 2) without it
     python scripts/gpu_check.py --dry-run                    # prints the runs and their order, runs nothing
@@ -9,7 +9,9 @@ tree), with `launcher.device=cuda`: never the CPU. The checks run in the order b
 and a run is not started once `--budget-s` has passed, so a slow device cuts the tail, never the core:
 glm-base at ZeRO-2 in every framework, DS-Chat's Hybrid Engine on against off, ZeRO-3 (on one GPU it
 shards nothing: it checks the path and its buffers), LoRA 64, glm-large at ZeRO-2, and the plain-PyTorch
-reference where it is registered.
+reference where it is registered. Measured on an H200: 70-170 s a run (the first run of a framework trains its
+RM prerequisite and JIT-compiles the engine's CUDA ops), so the default budget covers the first 3-5 checks and
+`--only` picks the rest.
 
 The summary (`summary.md`, `summary.json`): per run its status, per phase the peak of allocated memory, of
 reserved memory (the caching allocator's pool) and NVML's figure for the process (read once, at the stage's
@@ -58,7 +60,8 @@ def checks(frameworks: tuple[str, ...]) -> list[Check]:
                   "glm-base, ZeRO-2, full fine-tuning: the core comparison") for f in FRAMEWORKS]
     runs.append(Check("base-z2-dschat-he", ("framework=dschat", "model=glm-base", "zero=2", "lora=0",
                                             "framework.hybrid_engine=true"),
-                      "DS-Chat's Hybrid Engine on (its inference kernels exist only on CUDA), against base-z2-dschat"))
+                      "DS-Chat's Hybrid Engine on (its inference kernels exist only on CUDA): with GPT-2 layers an "
+                      "`unsupported` record naming deepspeed-0.19.8-hybrid-engine-gpt2-container"))
     runs += [Check(f"base-z3-{f}", (f"framework={f}", "model=glm-base", "zero=3", "lora=0"),
                    "ZeRO-3 path (Gemini for coati) and its buffers; on one GPU nothing is sharded") for f in FRAMEWORKS]
     runs += [Check(f"base-z2-lora64-{f}", (f"framework={f}", "model=glm-base", "zero=2", "lora=64"),

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 
 from adapters.comm_knobs import deepspeed_comm
-from adapters.dschat import ds_config, fp16_zero0, schedule
+from adapters.dschat import ds_config, fp16_zero0, hybrid_engine, schedule
 from adapters.dschat.lora import UPSTREAM_LORA_SCALING, convert_to_lora, only_optimize_lora
 from adapters.dschat.options import lora_module_names
 from adapters.dschat.reward_model import RewardModel
 from bench.run.models import build_backbone, build_causal_lm, set_dropout
+from bench.run.spec import UnsupportedError
 
 _NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
 _UNSHARDED = {"zero_optimization": {"stage": 0}}  # what _zero3 and _load read: build a model whole
@@ -204,11 +205,15 @@ class Engines:
             # DeepSpeed's CPU accelerator has no inference kernels: a layer with an injection policy
             # (GPT-2 has one) fails in initialize. With no policies the HE keeps its control flow
             # (eval -> generate -> train) around the model's native generate().
-            import deepspeed.runtime.hybrid_engine as hybrid_engine
+            import deepspeed.runtime.hybrid_engine as deepspeed_hybrid_engine
 
-            hybrid_engine.replace_policies = []
+            deepspeed_hybrid_engine.replace_policies = []
         actor_config = self._train_config(hybrid_engine=hybrid)
         actor = self._build_lm(actor_config, init.get("sft"), self.options.actor_dropout)
+        if hybrid and self.ctx.device.type == "cuda":
+            refusal = hybrid_engine.refusal(actor)
+            if refusal:
+                raise UnsupportedError(refusal)
         self._apply_lora(actor, actor_config, self.spec.lora, ())
         # DS-Chat checkpoints the actor only during its update (see ppo_train), not during generation.
         self.engines["actor"] = self._train_engine(actor, self.spec.stage_lr("actor"), actor_config, False, "ppo")
