@@ -7,7 +7,7 @@ NF4 weights from a maintained library that runs on the CPU as on CUDA (`quant_li
   activations' dtype for a plain matmul) or NF4 (blocks of 64, their absmax in int8 over scaler blocks of 256);
   the quantized weights are torch tensor subclasses, so every byte they cost goes through torch's allocator;
 - bitsandbytes: `Linear8bitLt` (LLM.int8, outlier threshold 6 as transformers' `load_in_8bit`) or `Linear4bit`
-  (NF4, blocks of 64, compressed statistics); its CPU int8 path holds memory outside torch (README).
+  (NF4, blocks of 64, compressed statistics); its CPU int8 path holds memory outside torch (docs/knobs.md).
 Embeddings, the LM head tied to them and one-output score heads stay in the run's precision, as `load_in_8bit`
 leaves the output embeddings. What quantization costs is measured on a probe batch in `quantize_role`: the
 role's output (reference log-probabilities of the next token, reward scores) before and after, on the same tokens.

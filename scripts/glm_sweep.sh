@@ -2,14 +2,14 @@
 # The CPU benchmark sweep: glm-base (108.9 M parameters) on 2 ranks, every framework, SFT, RM and PPO, with
 # 128 prompt + 128 answer tokens, 3 repeats (seeds 1-3) per cell, per-step times kept in every record.
 #
-# Cells (see the README's "CPU benchmark sweep" for the measured time of each block):
+# Cells (see docs/results.md for the measured time of each block):
 #   A  full fine-tuning at ZeRO 0 / 2 / 3 in bf16                        (the ZeRO axis; TRL too)
 #   B  LoRA 64 at ZeRO-2 in bf16                                         (LoRA against A's ZeRO-2 cells)
 #   C  each framework's upstream precision (dschat and colossalai fp16, trlx fp32) at ZeRO-2, full and LoRA 64
 #   D  PPO at 1 rank, bf16, ZeRO-2, full                                 (the ranks axis: 1 vs A's 2)
 #   E  fp16 SFT at lr=1000, one seed, tagged forced-failure              (the stability table's failure case)
 #   F  glm-large spot check: PPO bf16 ZeRO-2 full, one seed              (the ladder's next rung)
-# Cut to fit one night (and said in the README): LoRA and the upstream precision run at ZeRO-2 only (the ZeRO
+# Cut to fit one night (and said in docs/results.md): LoRA and the upstream precision run at ZeRO-2 only (the ZeRO
 # axis is measured once, in bf16 full fine-tuning); colossalai ZeRO-3 (Gemini) needs CUDA and records
 # `unsupported` in seconds. The prerequisite RM of each PPO cell trains for 5 steps (its quality is not what
 # PPO's memory and speed depend on). The curated PPO cells ran before the prerequisite SFT model existed:

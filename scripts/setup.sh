@@ -35,18 +35,19 @@ pip_install --upgrade pip
 # torch first and alone, so that no other requirement can pull a multi-GB CUDA build of it.
 echo "setup: torch (${TORCH_SPEC:-torch==2.13.0})"
 pip_install "${TORCH_SPEC:-torch==2.13.0}"
-echo "setup: rlhf-bench and its pinned engines (pyproject.toml)"
-pip_install -e ".[dev]"
-# colossalai 0.5.0 declares torch<=2.5.1, ray, diffusers, fabric, ... but imports only a few of them: it is
-# installed without dependencies, then the modules its booster imports, with the installed torch held fixed.
-# Pinned because the adapter's CPU compatibility layer patches 0.5.0's internals. Its transformers==4.51.3
-# and peft<=0.13.2 pins are the project's own (pyproject.toml).
-echo "setup: colossalai 0.5.0 and the modules its booster imports"
+# The one package installed outside pip's resolver: colossalai 0.5.0 declares torch<=2.5.1, ray, diffusers,
+# fabric, ... but imports only the modules of the project's `colossalai` extra on the paths the adapter uses, so
+# it goes in first without dependencies and the install below brings that extra (pip's report about the rest,
+# which it then prints, is kept off the terminal by pip_quiet.py). Pinned because the adapter's CPU
+# compatibility layer patches 0.5.0's internals. Its transformers==4.51.3 and peft<=0.13.2 pins are the
+# project's own (pyproject.toml).
+echo "setup: colossalai 0.5.0 (without the requirements it declares, on purpose)"
+pip_install --no-deps "colossalai==0.5.0"
+echo "setup: rlhf-bench, its pinned engines and the modules colossalai imports (pyproject.toml)"
 torch_now=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 constraints=$(mktemp)
-echo "torch==$torch_now" > "$constraints"
-pip_install --no-deps "colossalai==0.5.0"
-pip_install -c "$constraints" "einops==0.8.2" "galore-torch==1.0" "bitsandbytes==0.50.2"
+echo "torch==$torch_now" > "$constraints"  # the torch installed above stays: no requirement may replace it
+pip_install -c "$constraints" -e ".[dev,colossalai]"
 rm -f "$constraints"
 .venv/bin/python scripts/pip_quiet.py --summary "$log"
 # The engines must import; what they print on import (DeepSpeed's accelerator notice) belongs in the log.

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.loss_scale_rules import assert_scale_halves_only_on_skipped_steps
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_ADAMW = "framework.optimizer=torch_adamw"
@@ -42,8 +45,9 @@ def test_sft_fp32_zero0_trains_and_records_every_figure_with_its_unit(run_bench,
     training = memory["phases"]["training"]
     assert training["peak_bytes"] >= memory["baseline_bytes_per_rank"][0]
     parts = training["breakdown_bytes_per_rank"][0]
-    assert parts["runtime_bytes"] > 0 and parts["model_state_bytes"] > 0
-    assert sum(parts.values()) == training["peak_bytes"]
+    assert parts["runtime_bytes"] > 0
+    # fp32 weights + torch AdamW's two fp32 moments: 12 bytes a parameter (its per-tensor `step` counters aside)
+    assert parts["model_state_bytes"] == pytest.approx(12 * sft["params"]["actor"]["total"], rel=0.001)
     assert training["growth_over_baseline_bytes"] == training["peak_bytes"] - memory["baseline_bytes_per_rank"][0]
     speed = sft["throughput"]["phases"]["training"]
     assert speed["measured_steps"] == 20 - record["config"]["warmup_steps"]
@@ -69,8 +73,13 @@ def test_rm_bf16_zero2_lora_freezes_the_wrapped_weights(run_bench):
     assert sum(curve[-5:]) < sum(curve[:5]), curve
     assert 0 <= rm["learning"]["accuracy_start"] <= 1 and 0 <= rm["learning"]["accuracy_end"] <= 1
     params = rm["params"]["reward"]
-    # the wrapped block weights freeze; LoRA factors, biases, norms, embeddings and the v_head train
-    assert 0 < params["trainable"] < params["total"] / 5
+    # worked by hand for model=tiny (hidden 128, 4 blocks, vocab 256, 128 positions): tables 256 x 128 + 128 x 128;
+    # a block's four wrapped weights 128 x 384, 128 x 128, 128 x 512, 512 x 128 (196,608), its biases and norms
+    # 1,664, its LoRA factors 8 x (128 + 384) + 8 x (128 + 128) + 8 x (128 + 512) + 8 x (512 + 128) (16,384); the
+    # final norm 256 and the bias-free v_head 128. The wrapped weights freeze; everything else trains.
+    tables, wrapped, others, factors = 32_768 + 16_384, 4 * 196_608, 4 * 1_664 + 256 + 128, 4 * 16_384
+    assert params["total"] == tables + wrapped + others + factors == 908_160
+    assert params["trainable"] == tables + others + factors == 121_728
     state = rm["model_state"]["reward"]
     assert state["trainable_param_bytes_per_rank"][0] < state["param_bytes_per_rank"][0] / 5
 
@@ -87,8 +96,9 @@ def test_ppo_fp16_zero3_lora_builds_four_engines_and_tracks_the_loss_scale(run_b
     assert state["ref"]["optimizer_state_bytes_per_rank"] == [0] == state["reward"]["optimizer_state_bytes_per_rank"]
     assert state["actor"]["optimizer_state_bytes_per_rank"][0] > 0
     assert set(ppo["memory"]["phases"]) == {"imports", "init", "generation", "experience", "training"}
-    trajectory = ppo["stability"]["loss_scale_trajectory"]
-    assert set(trajectory) == {"actor", "critic"} and trajectory["actor"][0][1] > 1
+    assert set(ppo["stability"]["loss_scale_trajectory"]) == {"actor", "critic"}
+    for role in ("actor", "critic"):  # DeepSpeed's initial_scale_power 16, which DS-Chat's fp16 block keeps
+        assert_scale_halves_only_on_skipped_steps(ppo["stability"], role, 2.0**16)
     prerequisite = record["prerequisites"]["rm"]
     assert prerequisite["status"] == "ok" and prerequisite["accuracy_end"] >= 0.9, prerequisite
 
@@ -148,6 +158,7 @@ def test_forced_divergence_is_recorded_with_its_step_and_exits_cleanly(tmp_path)
     assert stability["first_nonfinite_step"] is not None or stability["longest_skip_run"] >= 5
     assert record["status"] in ("nan", "ok")
     assert stability["loss_scale_min"] < 2.0**16  # the dynamic scale came down
+    assert_scale_halves_only_on_skipped_steps(stability, "actor", 2.0**16)  # DeepSpeed's initial_scale_power 16
 
 
 def test_zero3_on_two_ranks_halves_parameter_and_optimizer_memory_per_rank(run_bench):
@@ -175,6 +186,14 @@ def test_two_rank_ppo_zero3_generates_in_lockstep(run_bench):
     generation = ppo["throughput"]["phases"]["generation"]
     assert len(generation["tokens_per_s_per_rank"]) == 2
     assert generation["tokens_per_s_global"] > max(generation["tokens_per_s_per_rank"])
+    # ZeRO-3 partitions each role's bf16 weights over the 2 ranks (2 bytes a parameter, half on each), except
+    # that a tensor under DS-Chat's stage3_param_persistence_threshold (1e4 elements) also stays whole on every
+    # rank beside its partition: model=tiny's biases and norms, 4 x 1,664 + 256 = 6,912 elements, and the critic's
+    # 128-element v_head. (The frozen reward model, built with the reference's eval config, reads as its partitions
+    # alone, total / 2 per rank: why its small tensors hold no whole copy is not established, so it is left out.)
+    for role, persistent in (("actor", 6_912), ("ref", 6_912), ("critic", 7_040)):
+        expected = 2 * (ppo["params"][role]["total"] // 2 + persistent)
+        assert ppo["model_state"][role]["param_bytes_per_rank"] == [expected] * 2, role
 
 
 def test_hybrid_engine_on_cpu_says_it_runs_control_flow_only(run_bench):
@@ -205,7 +224,6 @@ def test_a_failing_run_is_a_record_not_a_crash(run_bench, tmp_path):
     assert error["phase"] == "init" and "no-weights" in error["message"]
 
 
-@pytest.mark.slow  # CI time (77 s, two fp16 runs): scripts/test_slow.sh runs it
 def test_fp16_zero0_defect_is_marked_and_the_opt_in_fix_scales_the_loss(run_bench):
     """DeepSpeed 0.19.8 never scales the fp16 ZeRO-0 loss (see adapters/dschat/fp16_zero0.py). As upstream:
     the engine's norm is the module's divided by the loss scale and clipping (at 1.0) never fires. With the
@@ -304,7 +322,15 @@ def test_readme_command_prints_a_table_and_writes_a_record(tmp_path):
     sft = record["prerequisites"]["sft"]
     assert sft["status"] == "ok" and sft["loss_end"] < sft["loss_start"], sft
     assert not any("random base weights" in note for note in record["stages"]["ppo"]["notes"])
-    assert record["stages"]["ppo"]["learning"]["reward_trend"]["verdict"] in ("rose", "fell", "within noise")
+    # the trend worked a second way from the record's per-step rewards: 10 steps, windows of 3, statistics' stdev
+    rewards = [step["reward"] for step in record["stages"]["ppo"]["steps"]]
+    first, last = rewards[:3], rewards[-3:]
+    change = statistics.mean(last) - statistics.mean(first)
+    se = (statistics.stdev(first) ** 2 / 3 + statistics.stdev(last) ** 2 / 3) ** 0.5
+    trend = record["stages"]["ppo"]["learning"]["reward_trend"]
+    assert len(rewards) == 10 and trend["change"] == pytest.approx(change) and trend["change_se"] == pytest.approx(se)
+    assert trend["verdict"] == ("within noise" if abs(change) <= 2 * se else "rose" if change > 0 else "fell")
+    assert f"{change:+.3f}"[1:] in proc.stdout.replace("\n  ", " ")  # the terminal states the same change
     for stage in ("sft (prerequisite)", "rm (prerequisite)", "ppo "):
         assert stage in proc.stderr, stage  # each stage's progress line
 
@@ -318,4 +344,7 @@ def test_local_hugging_face_checkpoint_via_model_path(run_bench, tmp_path):
     record = run_bench("stage=sft", f"model.path={checkpoint}", "steps=4", "warmup_steps=1", TORCH_ADAMW)
     sft = record["stages"]["sft"]
     assert sft["status"] == "ok", sft["error"]
-    assert sft["params"]["actor"]["total"] < 200_000  # the checkpoint's size, not model=tiny's
+    # the checkpoint's own size, worked by hand (not model=tiny's): token and position tables 256 x 64 + 64 x 64;
+    # per block two layer norms 2 x 128, c_attn 64 x 192 + 192, attn c_proj 64 x 64 + 64, c_fc 64 x 256 + 256,
+    # mlp c_proj 256 x 64 + 64 (49,984); the final norm 128; the LM head tied to the token table
+    assert sft["params"]["actor"]["total"] == 16_384 + 4_096 + 2 * 49_984 + 128 == 120_576

@@ -2,7 +2,7 @@
 
 One real PPO step per framework, 64 new tokens; the worker's live-tensor census (a forward pre-hook and
 `gc`, first step) says which tensor storages exist when upstream's experience maker calls the reward
-model. The expected lifetimes are the README's fidelity tables:
+model. The expected lifetimes are the fidelity tables of docs/frameworks/:
 - DS-Chat: actor and reference logits and both KV caches (generate_experience keeps `output` and
   `output_ref` through the reward and critic forwards), in fp16.
 - ColossalChat: the joined full-batch logits of actor and reference, no KV cache (use_cache=False), no

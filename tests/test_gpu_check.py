@@ -1,5 +1,5 @@
 """The GPU check script: its plan (--dry-run), its refusal without CUDA, and its summary arithmetic on
-hand-made CUDA-shaped records (the real run needs a GPU: see the README's GPUs section)."""
+hand-made CUDA-shaped records (the real run needs a GPU: see docs/gpus.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """DS-Chat's Hybrid Engine on CUDA with a GPT-2 model: DeepSpeed's own classes say the defect is there (its GPT-2
 policy is one the engine picks, its container lacks the engine's interface), and the adapter's refusal names it
-for a model of GPT2Block layers only. The failure itself was measured on an H200 (README, GPUs)."""
+for a model of GPT2Block layers only. The failure itself was measured on an H200 (docs/gpus.md)."""
 
 from __future__ import annotations
 

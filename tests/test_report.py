@@ -4,6 +4,7 @@ wandb offline) in which half the cells fail on purpose (tp=2 on one rank is inva
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import shutil
@@ -64,7 +65,7 @@ def test_per_step_metrics_go_to_wandb_offline_files(sweep_dir):
         assert files and os.path.getsize(files[0]) > 0, os.listdir(run_dir / "sft")
 
 
-def test_report_tables_contain_every_run_with_its_status(report_dir):
+def test_report_tables_contain_every_run_with_its_status(report_dir, sweep_dir):
     import pandas as pd
 
     markdown = (report_dir / "report.md").read_text()
@@ -76,7 +77,14 @@ def test_report_tables_contain_every_run_with_its_status(report_dir):
     assert len(table) == CELLS and sorted(table["status"]) == ["error"] * 3 + ["ok"] * 3
     ok = table[table["status"] == "ok"]
     assert (ok["peak_training_bytes"] > ok["baseline_bytes"]).all()
-    assert (ok["tokens_per_s_training"] > 0).all()
+    # each figure as the run's record.json has it, read without the report's code
+    records = {path.parent: json.loads(path.read_text()) for path in sweep_dir.rglob("record.json")}
+    for _, row in ok.iterrows():
+        (record,) = [r for path, r in records.items() if str(path).endswith(row["run"])]
+        sft = record["stages"]["sft"]
+        assert row["peak_training_bytes"] == sft["memory"]["phases"]["training"]["peak_bytes"]
+        training = sft["throughput"]["phases"]["training"]
+        assert row["tokens_per_s_training"] == pytest.approx(training["tokens_per_s_global"])
     assert len(pd.read_csv(report_dir / "table.csv")) == CELLS
     html = (report_dir / "report.html").read_text()
     assert html.count("data:image/png;base64,") >= 1 and "src='plots/" not in html  # self-contained

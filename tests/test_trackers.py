@@ -104,7 +104,7 @@ def test_a_repeated_phase_reuses_its_own_freed_heap_and_reads_the_same_peak():
     assert [s["heap_trimmed"] for s in tracker.samples] == [True, False, False]
     # no trim, no refault: the phase's allocations reuse the heap it freed, so its peak stays near the trimmed
     # first one (never read its 128 MiB of garbage on top); how near depends on malloc's fragmentation, which
-    # earlier tests in the process set (the README quotes the difference at glm-base)
+    # earlier tests in the process set (docs/performance.md quotes the difference at glm-base)
     for sample in later:
         assert sample["peak_bytes"] - first["peak_bytes"] < 64 * MIB, (first, sample)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import pytest
 
+from tests.loss_scale_rules import assert_scale_halves_only_on_skipped_steps
+
 TRLX = "framework=trlx"
 
 pytestmark = pytest.mark.engine
@@ -77,6 +79,8 @@ def test_fp16_overflow_skips_and_loss_scale_are_recorded(run_bench):
     stability = record["stages"]["sft"]["stability"]
     assert stability["classification"] in ("diverged", "skip-storm", "recovered"), stability
     assert stability["loss_scale_min"] < 2.0**16
+    # DeepSpeed's scaler through accelerate (initial_scale_power 16), checked against its own skip flags
+    assert_scale_halves_only_on_skipped_steps(stability, "actor", 2.0**16)
 
 
 @pytest.mark.slow

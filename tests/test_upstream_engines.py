@@ -4,9 +4,16 @@ buffer sizes worked by hand (tiny model, 4 steps, batch 4, grad_accum 1)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.engine
 
@@ -43,3 +50,47 @@ def test_the_engines_apply_upstream_s_schedule_and_step_count(run_bench, framewo
     # those an fp16 overflow did not skip (coati's default precision is fp16), while coati's schedule moves anyway
     skipped = sum(step["skipped_steps/actor"] for step in ppo["steps"]) if framework == "colossalai" else 0
     assert ppo["engine_knobs"]["accumulation"]["optimizer_steps"]["actor"] == 4 * per_step - skipped
+
+
+CRITIC_PROBE = r"""
+import json, os, socket
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                  MASTER_PORT=str(port))
+import torch
+from adapters import registry
+from adapters.base import RankContext
+from bench.run.config import compose
+from bench.run.data import SyntheticData
+from bench.run.spec import spec_from_config
+spec = spec_from_config(compose(["framework=colossalai", "stage=ppo", "batch=4", "init.sft_prerequisite=false"]))
+adapter = registry.adapter_class("colossalai")(spec, RankContext(0, 1, 0, torch.device("cpu")))
+adapter.setup("ppo", {})
+adapter.set_reward_scaling({})
+seen = []
+adapter.models["critic"].register_forward_pre_hook(lambda module, args: seen.append([a.tolist() for a in args]))
+data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed, 0)
+adapter.make_experience(adapter.generate(data.prompts(0)))
+print("PROBE" + json.dumps(seen[0]))
+"""
+
+
+def test_coati_s_booster_wrapped_critic_sees_positions_that_skip_left_padding():
+    """The critic as the adapter built it on the colossalai Booster, called by its own make_experience on a
+    left-padded rollout (a forward pre-hook reads its inputs): at every real token the position is the count of
+    real tokens before it in the row, as the actor's forwards number them."""
+    proc = subprocess.run([sys.executable, "-c", CRITIC_PROBE], cwd=REPO, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PROBE")]
+    assert lines, proc.stderr[-3000:]
+    _, mask, positions = json.loads(lines[0][len("PROBE"):])
+    left_pads = [row.index(1) for row in mask]
+    assert len(set(left_pads)) > 1 and max(left_pads) > 0, left_pads  # rows padded on the left by different widths
+    for row_mask, row_positions in zip(mask, positions, strict=True):
+        real_before = 0
+        for real, position in zip(row_mask, row_positions, strict=True):
+            if real:
+                assert position == real_before, (row_mask, row_positions)
+                real_before += 1

@@ -4,8 +4,8 @@ Split the way coati is: `engines` builds models, plugins and boosters (the train
 `experience` is NaiveExperienceMaker, `update` the trainers' steps. This module holds what every phase
 shares: the parallel layout, full-vocabulary logits, the model shuttle, checkpoints and state counts.
 Where the re-creation still differs from coati (positions skip left padding in every forward; the reward
-model reads the stop token; the critic sees the rollout's left-padded layout) is declared in the README's
-ColossalChat fidelity table.
+model reads the stop token; the critic sees the rollout's left-padded layout) is declared in the
+ColossalChat fidelity table (docs/frameworks/colossalai.md).
 """
 
 from __future__ import annotations

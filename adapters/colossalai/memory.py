@@ -1,7 +1,8 @@
 """ColossalChat's (coati's) memory as this adapter runs it, per phase, for the planner (bench.plan). Imports
 no framework.
 
-Roles and lifetimes follow the fidelity table (README): SFT trains the actor with dropout and transformers'
+Roles and lifetimes follow the fidelity table (docs/frameworks/colossalai.md): SFT trains the actor with
+dropout and transformers'
 loss (an fp32 upcast of the logits), RM scores chosen and rejected sequences in one batch; PPO boosts actor
 and critic with their own HybridAdam (moments made at the first step) and the frozen reference and reward
 without an optimizer; dropout is disabled in the actor and critic; experience making joins the actor's and

@@ -4,7 +4,7 @@ The adapter is split the way DS-Chat is: `engines` builds the models and engines
 (rlhf_engine.py), `experience` generates and scores rollouts (ppo_trainer.py generate_experience),
 `update` runs the training steps (main.py loops, ppo_trainer.py train_rlhf). This module holds the
 pieces every phase shares (checkpoints, parameter and state counts, teardown). Where the re-creation
-still differs from upstream is declared in the README's DS-Chat fidelity table.
+still differs from upstream is declared in the DS-Chat fidelity table (docs/frameworks/dschat.md).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """DS-Chat's memory as this adapter runs it, per phase, for the planner (bench.plan). Imports no framework.
 
-Roles and lifetimes follow the fidelity table (README): SFT trains the actor, RM the reward model (a value
+Roles and lifetimes follow the fidelity table (docs/frameworks/dschat.md): SFT trains the actor, RM the reward
+model (a value
 head on the trunk, chosen and rejected sequences in one batch); PPO keeps four DeepSpeed engines (actor and
 critic trained, reference and reward eval-only, ZeRO-3 only when the trained ones use it). In experience
 making the actor's and the reference's outputs (logits and KV caches) stay alive through the reward and

@@ -6,7 +6,7 @@ are built as TRL's scripts build them (engines.py) and their own train() runs in
 training step ends at its log; PPO's and GRPO's generation ends where unwrap_model_for_generation exits, their
 experience where the update's first forward begins (PPO) or where _generate_and_score_completions returns
 (GRPO). What each phase returns (the rollout, scores, losses) is read from what TRL's calls returned and
-logged. The README's TRL fidelity table lists every wrapped name.
+logged. The TRL fidelity table (docs/frameworks/trl.md) lists every wrapped name.
 """
 
 from __future__ import annotations

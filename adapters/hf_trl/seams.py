@@ -3,7 +3,7 @@
 Nothing here computes in TRL's place: each wrapper calls the original with the same arguments, returns its
 result, and either keeps a reference to what it returned (read after the trainer paused) or hands control to
 the harness (LoopDriver.seam). The wrapped names are module-level names of trl.trainer.ppo_trainer and
-trl.trainer.grpo_trainer (imported there from trl's utils), and trainer callbacks; the README's TRL fidelity
+trl.trainer.grpo_trainer (imported there from trl's utils), and trainer callbacks; the TRL fidelity
 table lists them.
 """
 

@@ -5,7 +5,7 @@ reward models), `experience` is make_experience and the reward function, `update
 arithmetic follows trlx: scores clipped to +-10, then scaled by the running std, per-token k1 KL with a
 fixed (or adaptive) coefficient, the score on the last response token, GAE with advantages whitened across
 ranks, clipped policy and value losses in one joint loss, `ppo_epochs` passes per rollout. Where the
-re-creation still differs from upstream is declared in the README's trlx fidelity table.
+re-creation still differs from upstream is declared in the trlx fidelity table (docs/frameworks/trlx.md).
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class TrlxAdapter(Engines, ExperienceMaker, Update, Adapter):
 
         plugin = None
         if spec.zero > 0:
-            # zero3_init_flag stays off (trlx's zero3.yaml sets it): see the README's trlx fidelity table.
+            # zero3_init_flag stays off (trlx's zero3.yaml sets it): see the trlx fidelity table
+            # (docs/frameworks/trlx.md).
             plugin = DeepSpeedPlugin(zero_stage=spec.zero, gradient_accumulation_steps=1,
                                      gradient_clipping=spec.grad_clip_or(UPSTREAM_CLIP),
                                      zero3_init_flag=False, zero3_save_16bit_model=spec.zero == 3)

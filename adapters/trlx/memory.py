@@ -1,6 +1,7 @@
 """trlx's memory as this adapter runs it, per phase, for the planner (bench.plan). Imports no framework.
 
-Roles and lifetimes follow the fidelity table (README). ZeRO-0 is accelerate's DDP with the weights in fp32
+Roles and lifetimes follow the fidelity table (docs/frameworks/trlx.md). ZeRO-0 is accelerate's DDP with the
+weights in fp32
 (bf16 through autocast, which keeps a half copy of every weight it casts until the forward ends; DDP's
 reducer holds a bucket per gradient); ZeRO >= 1 is DeepSpeed (adapters/deepspeed_memory.py). Forwards run
 in eval mode (no dropout) but the RM stage's, which stays in train mode. SFT trains the whole LM; RM

@@ -54,6 +54,33 @@ def _leave_one_out(rows: list[Comparison], chosen: set[str], framework: str, dev
     return out
 
 
+def refit(records: dict[str, dict[str, Any]], rows: list[Comparison], selection: dict[str, Any], root: str,
+          framework: str) -> tuple[calibration.Calibration, list[Comparison], set[str], str] | None:
+    """The calibration of `framework` fitted on the selected runs, with the framework's comparisons, the chosen
+    runs and the device; None when no run of it matches the selection."""
+    chosen = {run for run, record in records.items() if in_selection(record.get("config") or {}, selection)}
+    mine = [r for r in rows if r.framework == framework]
+    fitted = [r for r in mine if r.run in chosen]
+    if not fitted:
+        return None
+    device = (records[mine[0].run].get("environment") or {}).get("device") or "cpu"
+    cal = calibration.fit(framework, device, _residuals(fitted), {
+        "source": os.path.normpath(root), "selection": selection, "runs": len({r.run for r in fitted})},
+        runtime_samples(records, sorted({r.run for r in fitted})))
+    return cal, mine, chosen, device
+
+
+def runtime_samples(records: dict[str, dict[str, Any]], runs: list[str]) -> list[float]:
+    """Rank 0's post-import baseline (bytes) of every stage of `runs` that measured one."""
+    out = []
+    for run in runs:
+        for stage in (records[run].get("stages") or {}).values():
+            baseline = ((stage or {}).get("memory") or {}).get("baseline_bytes_per_rank") or []
+            if baseline and isinstance(baseline[0], (int, float)):
+                out.append(float(baseline[0]))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plan.calibrate", description=__doc__.splitlines()[0])
     parser.add_argument("root")
@@ -70,19 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         console.print(f"[red]no successful run of a framework with a memory model under {args.root}[/red]")
         return 2
-    chosen = {run for run, record in records.items() if in_selection(record.get("config") or {}, selection)}
     table = Table(title=f"memory model vs measured growth, |error| (tolerance {TOLERANCE:.0%})")
     for column in ("framework", "runs", "split", "MAE physics", "MAE calibrated", "worst", "within"):
         table.add_column(column)
     for framework in sorted({r.framework for r in rows}):
-        mine = [r for r in rows if r.framework == framework]
-        fitted = [r for r in mine if r.run in chosen]
-        if not fitted:
+        fit = refit(records, rows, selection, args.root, framework)
+        if fit is None:
             console.print(f"[yellow]{framework}: no run matches the selection; its calibration is unchanged[/yellow]")
             continue
-        device = (records[mine[0].run].get("environment") or {}).get("device") or "cpu"
-        cal = calibration.fit(framework, device, _residuals(fitted), {
-            "source": os.path.normpath(args.root), "selection": selection, "runs": len({r.run for r in fitted})})
+        cal, mine, chosen, device = fit
+        fitted = [r for r in mine if r.run in chosen]
         splits = [("fitted", _apply(fitted, cal, device)),
                   ("held out", _apply([r for r in mine if r.run not in chosen], cal, device)),
                   ("leave one configuration out", _leave_one_out(mine, chosen, framework, device))]

@@ -34,6 +34,9 @@ class Calibration:
     device: str
     offsets_bytes: dict[str, float]  # "stage/phase/regime" -> bytes added to the physics at 16-bit values
     fitted_on: dict[str, Any] = field(default_factory=dict)  # what the fit read: source, selection, runs
+    # what a rank holds before any model exists (interpreter, torch, the engine libraries, process groups): the
+    # median of rank 0's post-import baseline over the fitted runs' stages; preflight adds it to the prediction
+    runtime_bytes: float | None = None
     method: str = ("per stage, phase and regime (zero3; zero0 where ZeRO-0 is another engine; lora; full): median "
                    "over the fitted runs of (measured - physics) growth over the post-import baseline, busiest rank, "
                    "per 16-bit value width (doubled in fp32); zero0 without fitted runs takes full's offset")
@@ -69,12 +72,16 @@ class Residual:
     value_bytes: int = 2
 
 
-def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any]) -> Calibration:
+def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any],
+        runtime_samples: Iterable[float] = ()) -> Calibration:
+    """`runtime_samples`: rank 0's post-import baseline of each fitted stage (bytes)."""
     by_phase: dict[str, list[float]] = {}
     for r in residuals:
         by_phase.setdefault(r.key, []).append((r.measured - r.physics) / width(r.value_bytes))
     offsets = {phase: float(statistics.median(values)) for phase, values in sorted(by_phase.items())}
-    return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on)
+    runtime = list(runtime_samples)
+    return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on,
+                       runtime_bytes=float(statistics.median(runtime)) if runtime else None)
 
 
 def path_for(framework_package: str) -> str:

@@ -2,8 +2,10 @@
 
 The prediction is the framework's memory model (bench.plan.predict, calibrated) for every phase of every
 stage the run has, plus what a rank holds before any model exists: on the host the interpreter, torch,
-transformers and the engine libraries (RUNTIME_BYTES, the median post-import baseline of the curated glm-base
-runs); on a GPU the CUDA context outside torch's allocator. The budget is `memory_budget_gb` per rank if set,
+transformers and the engine libraries: the framework's `runtime_bytes`, fitted with its memory calibration
+from the curated records (the median of rank 0's post-import baseline) and used only on the device it was
+measured on. Without records from the device (no GPU runs are curated yet) the runtime is not counted, and the
+verdict says so. The budget is `memory_budget_gb` per rank if set,
 else the GPU's memory, else host RAM shared by the ranks; a run fits under SAFETY of it. `on` refuses a run
 that does not fit; `shrink` halves the micro-batch until it fits and refuses only if batch 1 does not.
 """
@@ -19,10 +21,19 @@ from bench.plan.predict import predict_stage
 from bench.run.spec import RunSpec
 
 SAFETY = 0.9
-MiB = 2 ** 20
 GiB = 2 ** 30
-# rank 0's post-import baseline, median of the glm-base example's records (process start + engine imports)
-RUNTIME_BYTES = {"cpu": 434 * MiB, "cuda": 512 * MiB}
+
+
+def runtime_bytes(framework: str, device: str) -> tuple[float, str]:
+    """What a rank holds before any model exists on `device`, and where the figure comes from."""
+    from adapters import registry
+    from bench.plan import calibration
+
+    fitted = calibration.load(registry.package(framework))
+    if fitted is None or fitted.device != device or fitted.runtime_bytes is None:
+        return 0.0, f"not counted: no {framework} records on {device} to measure it from"
+    return fitted.runtime_bytes, (f"median post-import baseline of {fitted.fitted_on.get('runs')} {framework} "
+                                  f"runs on {device} ({fitted.fitted_on.get('source')})")
 
 
 class PreflightRefusal(Exception):
@@ -80,12 +91,13 @@ def budget(spec: RunSpec, device: str) -> tuple[float, str]:
 def worst(spec: RunSpec, device: str, total: float, source: str) -> Verdict | None:
     """The stage and phase predicted to hold most, or None for a framework without a memory model."""
     found = None
+    runtime, _ = runtime_bytes(spec.framework, device)
     for stage in spec.stages:
         predicted = predict_stage(spec, stage, device)
         if predicted is None:
             return None
         for phase, p in predicted.items():
-            verdict = Verdict(stage, phase, RUNTIME_BYTES[device] + p.predicted, total, source, spec.batch)
+            verdict = Verdict(stage, phase, runtime + p.predicted, total, source, spec.batch)
             if found is None or verdict.predicted_bytes > found.predicted_bytes:
                 found = verdict
     return found
@@ -107,9 +119,10 @@ def preflight(spec: RunSpec, mode: str, device: str) -> tuple[RunSpec, dict[str,
         spec = dataclasses.replace(spec, batch=spec.batch // 2,
                                    grad_accum=spec.grad_accum * (1 if spec.global_batch is None else 2))
         verdict = worst(spec, device, total, source)
+    runtime, runtime_source = runtime_bytes(spec.framework, device)
     found = {"mode": mode, "device": device, "asked_batch": first.batch, "asked": first.as_dict(),
              "run_batch": spec.batch, "run_grad_accum": spec.grad_accum, "verdict": verdict.as_dict(), "safety": SAFETY,
-             "runtime_bytes": RUNTIME_BYTES[device]}
+             "runtime_bytes": runtime, "runtime_source": runtime_source}
     if not verdict.fits:
         hint = "" if mode == "shrink" else "; preflight=shrink halves the batch until it fits"
         shrunk = f" (still at batch {spec.batch} after halving)" if spec.batch != first.batch else ""

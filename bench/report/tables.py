@@ -147,8 +147,9 @@ def stability_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                  "counts (stable, recovered, skip-storm, diverged; rules in the record's stability.rules), the "
                  "earliest non-finite step of any run, overflow-skipped steps summed over runs (fp16 dynamic loss "
                  "scaling), the smallest loss scale seen, and the known upstream defects those runs hit (see the "
-                 "README's list). Evidence: no for runs tagged forced-failure (meant to fail, e.g. a learning "
-                 "rate that must diverge): they show how a failure looks and are never evidence for a claim.",
+                 "framework pages, docs/frameworks/). Evidence: no for runs tagged forced-failure (meant to fail, "
+                 "e.g. a learning rate that must diverge): they show how a failure looks and are never evidence "
+                 "for a claim.",
                  header, body)
 
 

@@ -68,26 +68,26 @@ def utc_now() -> str:
 
 @dataclass
 class StageRecord:
-    status: str
-    error: dict[str, Any] | None = None
-    ranks: int = 0
-    wall_time_s: float | None = None
-    params: dict[str, Any] = field(default_factory=dict)
-    model_state: dict[str, Any] = field(default_factory=dict)
-    memory: dict[str, Any] = field(default_factory=dict)
-    throughput: dict[str, Any] = field(default_factory=dict)
-    stability: dict[str, Any] = field(default_factory=dict)
-    learning: dict[str, Any] = field(default_factory=dict)
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    notes: list[str] = field(default_factory=list)
-    upstream_defects: list[dict[str, str]] = field(default_factory=list)
-    layout_per_rank: list[dict[str, int]] = field(default_factory=list)
-    computation_dtypes: dict[str, str] = field(default_factory=dict)
+    status: str  # one of STATUSES; ranks that disagree resolve by STATUS_PRECEDENCE
+    error: dict[str, Any] | None = None  # type, message and traceback of the failure that set the status
+    ranks: int = 0  # ranks that wrote a result
+    wall_time_s: float | None = None  # the stage's torchrun, launch to exit
+    params: dict[str, Any] = field(default_factory=dict)  # total and trainable parameters per role
+    model_state: dict[str, Any] = field(default_factory=dict)  # parameter and optimizer bytes per rank and role
+    memory: dict[str, Any] = field(default_factory=dict)  # per-phase peaks, growth, breakdown, timeline, prediction
+    throughput: dict[str, Any] = field(default_factory=dict)  # per-phase s/step, tokens/s, samples/s, TFLOP/s
+    stability: dict[str, Any] = field(default_factory=dict)  # classification, non-finite steps, skips, loss scale
+    learning: dict[str, Any] = field(default_factory=dict)  # loss / reward windows, accuracy, trend, convergence
+    steps: list[dict[str, Any]] = field(default_factory=list)  # losses, norms, lr, optimizer steps, PPO figures
+    notes: list[str] = field(default_factory=list)  # facts about how the engines ran (one sentence each)
+    upstream_defects: list[dict[str, str]] = field(default_factory=list)  # known engine defects the run hit
+    layout_per_rank: list[dict[str, int]] = field(default_factory=list)  # each rank's dp (and tp, pp) rank
+    computation_dtypes: dict[str, str] = field(default_factory=dict)  # the dtype of each loss-side computation
     quantized: dict[str, Any] = field(default_factory=dict)  # frozen roles in 8/4 bits (reference.quant, reward.quant)
     engine_knobs: dict[str, Any] = field(default_factory=dict)  # common knobs read back from the built engines
-    live_tensors: dict[str, Any] = field(default_factory=dict)
-    cut_short: dict[str, Any] | None = None
-    checkpoint: str | None = None
+    live_tensors: dict[str, Any] = field(default_factory=dict)  # PPO: storages alive at the reward model's call
+    cut_short: dict[str, Any] | None = None  # ranks stopped by SIGTERM and the steps they had done
+    checkpoint: str | None = None  # the stage's closing save (what a later stage loads)
     checkpoints: dict[str, Any] = field(default_factory=dict)  # saves during the stage (checkpoint.every)
     resumed_from_step: int | None = None  # steps done by the checkpoint this stage resumed from (resume=true)
     fixed_cost: dict[str, Any] = field(default_factory=dict)  # where the time outside the steps goes
@@ -95,19 +95,19 @@ class StageRecord:
 
 @dataclass
 class ResultRecord:
-    run_id: str
-    config: dict[str, Any]
-    status: str = "ok"
-    error: dict[str, Any] | None = None
-    schema_version: int = SCHEMA_VERSION
-    created_utc: str = field(default_factory=utc_now)
+    run_id: str  # the run's directory name
+    config: dict[str, Any]  # the fully resolved Hydra config
+    status: str = "ok"  # the first failed stage's status (and its error below), else ok
+    error: dict[str, Any] | None = None  # the first failed stage's error, or a refusal before any stage ran
+    schema_version: int = SCHEMA_VERSION  # bumped when a figure's meaning changes
+    created_utc: str = field(default_factory=utc_now)  # when the run started (UTC)
     finished_utc: str | None = None  # set by the last write: a record without it is a run cut short
-    environment: dict[str, Any] = field(default_factory=dict)
-    prerequisites: dict[str, Any] = field(default_factory=dict)
+    environment: dict[str, Any] = field(default_factory=dict)  # library versions, git commit, CPU/GPU, ranks, threads
+    prerequisites: dict[str, Any] = field(default_factory=dict)  # the cached SFT and RM models a PPO stage started from
     harness_extension: list[dict[str, str]] = field(default_factory=list)  # knobs upstream cannot run
     preflight: dict[str, Any] | None = None  # preflight=on|shrink: the predicted peak, the budget, the batch run
     batch: dict[str, Any] = field(default_factory=dict)  # micro-batch, accumulation, ranks, global (batch_shape)
-    stages: dict[str, StageRecord] = field(default_factory=dict)
+    stages: dict[str, StageRecord] = field(default_factory=dict)  # by stage name, in the order they ran
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -282,7 +282,8 @@ def lora_target_set(targets: Any) -> tuple[str, ...] | None:
 
 QUANT_MODES = ("none", "int8", "nf4")
 # torchao: pure-torch weight-only int8 and NF4 tensors, their allocations torch's own (the default);
-# bitsandbytes: LLM.int8 / Linear4bit, whose CPU int8 path holds memory outside torch (README, quantized roles)
+# bitsandbytes: LLM.int8 / Linear4bit, whose CPU int8 path holds memory outside torch (docs/knobs.md, quantized
+# frozen roles)
 QUANT_LIBRARIES = ("torchao", "bitsandbytes")
 
 
@@ -483,7 +484,7 @@ class RunSpec:
     def release_every(self) -> int:
         """How often (at least) a phase started above its own floor gets the freed heap handed back first
         (bench.measure.memory): every run in a soak, whose figure is the per-step peak; else every 4th, which
-        keeps the refault it costs within the harness's budget (README, "harness cost")."""
+        keeps the refault it costs within the harness's budget (docs/performance.md, "the harness's own cost")."""
         if self.memory_release_every is not None:
             return self.memory_release_every
         return 1 if self.soak else 4
@@ -597,4 +598,15 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
     )
     registry.check_stages(name, spec.stages)
     registry.options_class(name).validate(spec)
+    _require_extras(spec)
     return spec
+
+
+def _require_extras(spec: RunSpec) -> None:
+    from bench.run import extras
+
+    if spec.framework in extras.FRAMEWORK_EXTRAS:
+        extras.require(extras.FRAMEWORK_EXTRAS[spec.framework], f"framework={spec.framework}")
+    quantized = [role for role in ("reference", "reward") if getattr(spec, role).quant != "none"]
+    if quantized and spec.quant_library == "bitsandbytes":
+        extras.require(extras.BITSANDBYTES, f"quant_library=bitsandbytes ({', '.join(quantized)} quantized)")
