@@ -211,6 +211,12 @@ class Adapter(ABC):
 
     # reward.normalize where the config leaves it null: DS-Chat and ColossalChat take the RM's score as it is
     upstream_reward_normalize = "none"
+    # the field of the framework's PPO options that counts its update's passes over a step's rollouts
+    update_passes_option: str = "ppo_epochs"
+
+    def update_passes(self) -> int:
+        """Passes the framework's PPO update makes over each step's rollouts, as its own option sets them."""
+        return int(getattr(self.options.ppo, self.update_passes_option))
 
     def set_reward_scaling(self, init: dict[str, str]) -> None:
         """What make_experience does to the RM's scores (reward.normalize, adapters/reward_norm.py); the loop

@@ -44,7 +44,7 @@ pip_install "${TORCH_SPEC:-torch==2.13.0}"
 echo "setup: colossalai 0.5.0 (without the requirements it declares, on purpose)"
 pip_install --no-deps "colossalai==0.5.0"
 echo "setup: rlhf-bench, its pinned engines and the modules colossalai imports (pyproject.toml)"
-torch_now=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+torch_now=$(.venv/bin/python -c "from importlib.metadata import version; print(version('torch').split('+')[0])")
 constraints=$(mktemp)
 echo "torch==$torch_now" > "$constraints"  # the torch installed above stays: no requirement may replace it
 pip_install -c "$constraints" -e ".[dev,colossalai]"

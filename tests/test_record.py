@@ -236,6 +236,26 @@ def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes
     assert row["harness_extension"] == "grad_ckpt=true"
 
 
+def test_trl_s_update_passes_come_from_its_record_and_older_records_from_num_ppo_epochs():
+    """TRL's PPOConfig runs num_ppo_epochs (4) passes: a record that states them, and one written before records
+    did, both count 4, so its one-pass rate is (1 + 0.5 + 4 / 4) s for 8 samples, not the whole 5.5 s."""
+    from bench.results.collect import stage_row
+
+    config = {"framework": {"name": "trl", "ppo": {"num_ppo_epochs": 4, "num_mini_batches": 1}}, "batch": 4,
+              "launcher": {"nproc": 2}, "model": {"name": "tiny"}}
+    throughput = {"phases": {"generation": {"time_s_per_step": 1.0}, "experience": {"time_s_per_step": 0.5},
+                             "training": {"time_s_per_step": 4.0}}}
+    stated = stage_row("r", {"config": config}, "ppo", {"status": "ok", "throughput": throughput,
+                                                        "update_passes": 4})
+    older = stage_row("r", {"config": config}, "ppo", {"status": "ok", "throughput": throughput})
+    for row in (stated, older):
+        assert row["update_passes"] == 4 and row["samples_per_s_one_pass"] == pytest.approx(8 / 2.5)
+    # the stated figure wins over the config's: a record says what its run did
+    other = {**config, "framework": {"name": "trl", "ppo": {"num_ppo_epochs": 2}}}
+    assert stage_row("r", {"config": other}, "ppo", {"status": "ok", "throughput": throughput,
+                                                     "update_passes": 4})["update_passes"] == 4
+
+
 def test_the_fixed_cost_splits_a_stage_s_time_outside_its_steps():
     samples = [{"phase": "imports", "step": None, "time_s": 3.0}, {"phase": "init", "step": None, "time_s": 4.0},
                {"phase": "training", "step": 0, "time_s": 9.0}, {"phase": "training", "step": 1, "time_s": 10.0},

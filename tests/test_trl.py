@@ -206,6 +206,7 @@ def test_pipeline_at_zero2_bf16_with_lora_on_two_ranks(run_bench) -> None:
     record = run_bench("framework=trl", "stage=pipeline", "steps=3", "warmup_steps=1", "zero=2", "precision=bf16",
                        "lora=8", "launcher.nproc=2")
     assert record["status"] == "ok"
+    assert record["stages"]["ppo"]["update_passes"] == 4  # PPOConfig's num_ppo_epochs, which the report counts
     for stage, role in (("sft", "actor"), ("rm", "reward"), ("ppo", "actor")):
         result = record["stages"][stage]
         assert result["engine_knobs"]["grad_clip"][role] == 1.0  # DeepSpeed's, filled from max_grad_norm

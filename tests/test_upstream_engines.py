@@ -46,6 +46,9 @@ def test_the_engines_apply_upstream_s_schedule_and_step_count(run_bench, framewo
         read = [step[f"lr/{role}"] for step in ppo["steps"]]
         assert read == pytest.approx([f * lrs[role] for f in factors], rel=1e-6, abs=1e-12), role
     assert [step["optimizer_steps/actor"] for step in ppo["steps"]] == [per_step] * 4
+    # the passes over each step's rollouts the record states: trlx's ppo_epochs 4, DS-Chat's 1, coati's
+    # num_update_steps 1 (train_ppo.sh)
+    assert ppo["update_passes"] == {"dschat": 1, "colossalai": 1, "trlx": 4}[framework]
     # the optimizers' own count: DeepSpeed's global_steps counts every step; a torch optimizer's `step` state only
     # those an fp16 overflow did not skip (coati's default precision is fp16), while coati's schedule moves anyway
     skipped = sum(step["skipped_steps/actor"] for step in ppo["steps"]) if framework == "colossalai" else 0

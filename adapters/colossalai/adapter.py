@@ -35,6 +35,8 @@ GEMINI_ON_CPU = (
 
 
 class ColossalAdapter(Engines, ExperienceMaker, Update, Adapter):
+    update_passes_option = "num_update_steps"  # PPOTrainer's passes over its buffer (train_ppo.sh: 1)
+
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         super().__init__(spec, ctx)
         self.options = ColossalOptions.validate(spec)

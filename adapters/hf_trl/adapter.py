@@ -40,6 +40,8 @@ def _answer_mask(answers: torch.Tensor) -> torch.Tensor:
 
 
 class TrlAdapter(Adapter):
+    update_passes_option = "num_ppo_epochs"  # PPOConfig's epochs over each batch of rollouts (default 4)
+
     def __init__(self, spec: RunSpec, ctx: RankContext) -> None:
         super().__init__(spec, ctx)
         self.options = TrlOptions.validate(spec)

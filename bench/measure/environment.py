@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import os
 import platform
@@ -9,7 +10,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "colossalai", "hydra-core", "numpy")
+# every library a run may import, so a record says which version of each it ran with (None: not installed)
+LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "colossalai", "hydra-core", "numpy", "trl",
+             "datasets", "tokenizers", "torchao", "bitsandbytes", "galore-torch", "einops")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -20,18 +23,26 @@ def _version(name: str) -> str | None:
         return None
 
 
-def git_commit() -> str | None:
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, timeout=10,
+                          check=True).stdout
+
+
+def git_state(repo: Path = REPO) -> dict[str, Any] | None:
+    """The commit the code ran at, whether tracked files differed from it, and a hash of that difference (the
+    text of `git diff HEAD`), so that two dirty runs can be told apart; None outside a git checkout."""
     try:
-        out = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "-C", str(REPO), "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, timeout=10,
-        ).stdout.strip()
-        return out + ("-dirty" if dirty else "")
+        commit = _git(repo, "rev-parse", "HEAD").strip()
+        diff = _git(repo, "diff", "HEAD", "--no-color", "--no-ext-diff")
     except (OSError, subprocess.SubprocessError):
         return None
+    return {"commit": commit, "dirty": bool(diff),
+            "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+
+
+def git_commit(state: dict[str, Any] | None) -> str | None:
+    """The short form older records carry: the commit, with "-dirty" where the tree differed from it."""
+    return None if state is None else state["commit"] + ("-dirty" if state["dirty"] else "")
 
 
 def _cpu_model() -> str:
@@ -43,6 +54,24 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def _hypervisor() -> bool:
+    """The CPU reports that it runs under a hypervisor (a virtual machine)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return any(line.startswith("flags") and " hypervisor" in line for line in f)
+    except OSError:
+        return False
+
+
+def host() -> dict[str, Any]:
+    """What tells one host type from another: CPU model, cores, memory, virtualisation, kernel; `type` joins the
+    first three, the key a report groups hosts by."""
+    cpu, cores = _cpu_model(), os.cpu_count()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"cpu": cpu, "cores": cores, "memory_bytes": memory, "virtual_machine": _hypervisor(),
+            "kernel": platform.release(), "type": f"{cpu} x {cores}, {memory / 2**30:.0f} GiB"}
 
 
 def environment(device_type: str, world_size: int) -> dict[str, Any]:
@@ -58,7 +87,9 @@ def environment(device_type: str, world_size: int) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "libraries": {name: _version(name) for name in LIBRARIES},
-        "git_commit": git_commit(),
+        "git_commit": git_commit(git := git_state()),
+        "git": git,
+        "host": host(),
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),

@@ -171,11 +171,15 @@ def device_peak_tflops(environment: dict[str, Any]) -> float | None:
     return next((peak for name, peak in PEAK_TFLOPS.items() if name in gpu), None)
 
 
-def update_passes(config: dict[str, Any]) -> int:
-    """Optimizer passes over each rollout per PPO step: trlx's and DS-Chat's ppo_epochs, coati's
-    num_update_steps (1 where the framework names neither)."""
+def update_passes(config: dict[str, Any], stage: dict[str, Any] | None = None) -> int:
+    """Passes over each step's rollouts a PPO stage's update made: what the stage record states (the adapter's
+    own option), else, for records written before it did, the config's ppo_epochs (DS-Chat, trlx, the
+    reference), num_update_steps (coati) or num_ppo_epochs (TRL)."""
+    stated = (stage or {}).get("update_passes")
+    if isinstance(stated, int) and stated >= 1:
+        return stated
     ppo = config.get("framework", {}).get("ppo") or {}
-    return int(ppo.get("ppo_epochs") or ppo.get("num_update_steps") or 1)
+    return int(ppo.get("ppo_epochs") or ppo.get("num_update_steps") or ppo.get("num_ppo_epochs") or 1)
 
 
 def _quant(config: dict[str, Any]) -> str:
@@ -289,7 +293,7 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                                  if row["step_time_s"] and row["global_batch"] else None)
     # Equal work across frameworks: the step as it would run with one update pass over its rollout (trlx
     # makes 4 by default, the others 1): generation + experience + training / passes.
-    row["update_passes"] = update_passes(record["config"]) if stage == "ppo" else None
+    row["update_passes"] = update_passes(record["config"], result) if stage == "ppo" else None
     training = row.get("time_s_per_step_training")
     one_pass = (row["step_time_s"] - training * (1 - 1 / row["update_passes"])
                 if stage == "ppo" and row["step_time_s"] and training is not None else None)

@@ -85,6 +85,7 @@ class StageRecord:
     computation_dtypes: dict[str, str] = field(default_factory=dict)  # the dtype of each loss-side computation
     quantized: dict[str, Any] = field(default_factory=dict)  # frozen roles in 8/4 bits (reference.quant, reward.quant)
     engine_knobs: dict[str, Any] = field(default_factory=dict)  # common knobs read back from the built engines
+    update_passes: int | None = None  # PPO: the passes the framework's update makes over each step's rollouts
     live_tensors: dict[str, Any] = field(default_factory=dict)  # PPO: storages alive at the reward model's call
     cut_short: dict[str, Any] | None = None  # ranks stopped by SIGTERM and the steps they had done
     checkpoint: str | None = None  # the stage's closing save (what a later stage loads)
@@ -554,6 +555,7 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.layout_per_rank = [r.get("layout", {}) for r in ranks]
     record.computation_dtypes = ranks[0].get("computation_dtypes", {})
     record.engine_knobs = ranks[0].get("engine_knobs", {})
+    record.update_passes = ranks[0].get("update_passes")
     for r in ranks:  # a role held on some ranks only (trlx's reward function: rank 0) is reported by those
         for role, entry in (r.get("quantized") or {}).items():
             record.quantized.setdefault(role, entry)

@@ -149,6 +149,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         result["computation_dtypes"] = adapter.computation_dtypes()
         result["quantized"] = adapter.quantized_roles()
         result["engine_knobs"] = adapter.engine_knobs()
+        if stage == "ppo":  # the passes over each step's rollouts, which the report's per-pass rates divide by
+            result["update_passes"] = adapter.update_passes()
         # micro-batches and optimizer steps as the engines counted them (a PPO step's count is the framework's)
         if spec.grad_accum > 1 or stage == "ppo":
             result["engine_knobs"]["accumulation"] = adapter.accumulation()

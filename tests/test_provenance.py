@@ -1,0 +1,48 @@
+"""What a record says about where its code came from and the host it ran on: a clean and a dirty checkout made
+here with git, the diff's hash computed a second way, and the host's figures read from /proc and os."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+from bench.measure.environment import LIBRARIES, environment, git_commit, git_state, host
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True).stdout
+
+
+def test_a_clean_and_a_dirty_checkout_are_told_apart_by_commit_and_diff_hash(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "a.py").write_text("x = 1\n")
+    _git(repo, "add", "a.py")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    head = _git(repo, "rev-parse", "HEAD").strip()
+    assert git_state(repo) == {"commit": head, "dirty": False, "diff_sha256": None}
+    (repo / "a.py").write_text("x = 2\n")
+    (repo / "untracked.txt").write_text("not code the run imported\n")
+    diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD"], check=True, capture_output=True).stdout
+    state = git_state(repo)
+    assert state == {"commit": head, "dirty": True, "diff_sha256": hashlib.sha256(diff).hexdigest()}
+    assert git_commit(state) == f"{head}-dirty" and git_commit(None) is None
+    (repo / "a.py").write_text("x = 3\n")
+    assert git_state(repo)["diff_sha256"] != state["diff_sha256"]  # another change, another hash
+    assert git_state(tmp_path / "not-a-repo") is None
+
+
+def test_the_host_and_every_library_a_run_may_import_are_recorded():
+    with open("/proc/meminfo") as f:  # MemTotal in kB: the same memory, read another way
+        mem_total = int(next(line for line in f if line.startswith("MemTotal")).split()[1]) * 1024
+    found = host()
+    assert found["cores"] == os.cpu_count()
+    assert abs(found["memory_bytes"] - mem_total) < 0.02 * mem_total
+    assert found["type"].startswith(found["cpu"]) and f"x {found['cores']}," in found["type"]
+    env = environment("cpu", 1)
+    assert {"trl", "datasets", "peft", "bitsandbytes", "torchao", "deepspeed", "colossalai"} <= set(LIBRARIES)
+    assert env["libraries"]["trl"] == "0.19.1" and env["libraries"]["deepspeed"] == "0.19.8"
+    assert env["host"] == found and env["git"]["commit"] == env["git_commit"].removesuffix("-dirty")
