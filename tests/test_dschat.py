@@ -103,6 +103,7 @@ def test_ppo_fp16_zero3_lora_builds_four_engines_and_tracks_the_loss_scale(run_b
     assert prerequisite["status"] == "ok" and prerequisite["accuracy_end"] >= 0.9, prerequisite
 
 
+@pytest.mark.slow  # orchestration (36 s): CI's minutes go to tests that compare measured figures
 def test_pipeline_chains_sft_into_actor_and_rm_into_critic(run_bench):
     record = run_bench("stage=pipeline", "zero=2", "precision=bf16", "steps=4", "warmup_steps=1", TORCH_ADAMW)
     assert [s["status"] for s in record["stages"].values()] == ["ok", "ok", "ok"]
@@ -247,6 +248,7 @@ def test_fp16_zero0_defect_is_marked_and_the_opt_in_fix_scales_the_loss(run_benc
         assert engine > 1.0 and step["clip_coef/actor"] == pytest.approx(engine, rel=1e-3)  # clipped to norm 1.0
 
 
+@pytest.mark.slow  # orchestration (33 s): CI's minutes go to tests that compare measured figures
 def test_a_rank_killed_by_sigkill_is_an_oom_and_the_other_rank_keeps_what_it_measured(run_bench, tmp_path):
     """The kernel's OOM killer sends SIGKILL: no result file, no traceback. The other rank fails on its next
     collective (or is stopped by torchrun's SIGTERM) and still writes what it measured."""

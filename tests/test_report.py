@@ -46,7 +46,9 @@ def report_dir(sweep_dir, tmp_path_factory) -> Path:
     return out
 
 
-pytestmark = pytest.mark.engine
+# one real sweep feeds every test here (about 2 minutes): the slow tier, for CI's time; the report's rules run in
+# CI on hand-made records (tests/test_report_rules.py)
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def test_every_cell_of_the_sweep_has_a_record_with_its_status(sweep_dir):
