@@ -1,79 +1,139 @@
 #!/usr/bin/env bash
-# The CPU benchmark sweep: glm-base (108.9 M parameters) on 2 ranks, every framework, SFT, RM and PPO, with
-# 128 prompt + 128 answer tokens, 3 repeats (seeds 1-3) per cell, per-step times kept in every record.
+# The curated CPU benchmark: glm-base (108.9 M parameters) on 2 ranks, 128 prompt + 128 answer tokens, batch 2,
+# 1 warm-up step, from a clean checkout at one commit (refused otherwise: curated evidence names one commit and
+# no uncommitted code). Sized for one night of a 2-core machine (about 8 hours, docs/results.md): 3 seeds where
+# a verdict or a decision-tree leaf reads the cell, 1 seed where only a table or a figure does.
 #
-# Cells (see docs/results.md for the measured time of each block):
-#   A  full fine-tuning at ZeRO 0 / 2 / 3 in bf16                        (the ZeRO axis; TRL too)
-#   B  LoRA 64 at ZeRO-2 in bf16                                         (LoRA against A's ZeRO-2 cells)
-#   C  each framework's upstream precision (dschat and colossalai fp16, trlx fp32) at ZeRO-2, full and LoRA 64
-#   D  PPO at 1 rank, bf16, ZeRO-2, full                                 (the ranks axis: 1 vs A's 2)
-#   E  fp16 SFT at lr=1000, one seed, tagged forced-failure              (the stability table's failure case)
-#   F  glm-large spot check: PPO bf16 ZeRO-2 full, one seed              (the ladder's next rung)
-# Cut to fit one night (and said in docs/results.md): LoRA and the upstream precision run at ZeRO-2 only (the ZeRO
-# axis is measured once, in bf16 full fine-tuning); colossalai ZeRO-3 (Gemini) needs CUDA and records
-# `unsupported` in seconds. The prerequisite RM of each PPO cell trains for 5 steps (its quality is not what
-# PPO's memory and speed depend on). The curated PPO cells ran before the prerequisite SFT model existed:
-# their actors started from random weights (init.sft_prerequisite=false, as the report counts them). A PPO
-# cell missing from them now starts from the SFT prerequisite and forms a cell of its own; passing the key
-# here would rename every cell's directory and run the whole sweep again, so it is left to the command line
-# of a partial run (e.g. a seed added to an old cell).
+# Blocks, in the order they run (a partial night leaves the verdicts' cells done first):
+#   A2  bf16 full fine-tuning at ZeRO-2, SFT, RM and PPO, every framework, 3 seeds     (A1-A3, the tree, B10's base)
+#   A3  PPO at ZeRO-3, 3 seeds (coati's Gemini needs CUDA: `unsupported` in seconds)   (A7, the tree)
+#   A0  PPO at ZeRO-0, every framework, 3 seeds                                       (the tree's full leaf)
+#   B   LoRA 64 at ZeRO-2: PPO 3 seeds, SFT and RM 1 seed (TRL runs no LoRA here)     (A4, A8, the LoRA leaf)
+#   Z   SFT and RM at ZeRO-0 and ZeRO-3, 1 seed                                       (the ZeRO tables and figure)
+#   C   each framework's upstream precision (dschat and coati fp16, 8 steps; trlx fp32) at ZeRO-2, full: PPO 3
+#       seeds, SFT and RM 1 seed                                                      (A5, the fp16 / fp32 leaves)
+#   D   PPO on 1 rank, bf16 ZeRO-2, 3 seeds                                           (the tree's ranks question)
+#   Q   B10's memory: PPO with reference and reward in int8 (torchao), 3 seeds; bitsandbytes 1 seed (A2's PPO
+#       cells are the unquantized side)
+#   G   A14: DS-Chat SFT with allgather_bucket_size 5e8 against 5e7 (6 steps), 3 seeds
+#   E   fp16 SFT at lr=1000, 1 seed, tagged forced-failure                            (the stability table)
+#   F   glm-large PPO bf16 ZeRO-2, 1 seed                                             (the memory model's other model)
+#   P   bench.perf: SFT bf16 ZeRO-2 against the plain-PyTorch reference, 3 rounds     (the perf example)
+# and the claims pairs on the tiny model (1 rank, bf16 ZeRO-2, 3 seeds), the claims example:
+#   K   B10's accuracy: reference and reward in int8 (torchao) against none, 120 PPO steps (reward and KL curves)
+#   N   A13: reward.normalize=zscore against none, 120 PPO steps (steps until the preferred-token share rises)
+#   L   A15: LoRA 16 on qkv against all targets, and at qkv lora_alpha 8 against the default, SFT and RM 40 steps
 #
-# Runs land in results/sweeps/glm-base; re-running resumes (finished cells are kept), and the curated example
-# in results/examples/glm-base seeds the sweep folder first, so a sweep started on one machine can finish on
-# another. `BLOCKS="A B"` runs only those blocks; the report is rebuilt at the end either way.
+# Runs land in results/sweeps/glm-base-<commit> and claims-<commit>; re-running at the same commit resumes
+# (finished cells are kept). `BLOCKS="A2 A3"` runs only those blocks. After every Hydra multirun the finished
+# records are copied to results/pending/<sweep>/ (kept by git), and a sweep starts by copying them back: a sweep
+# that spans several sessions (or machines) commits that folder when it stops and resumes from it. At the end
+# (every block run) the records become results/examples/glm-base and results/examples/claims, the perf run
+# results/examples/perf-glm-base-sft, their reports are rebuilt and the pending folders removed. Each run's
+# closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache).
+#
+# COMMIT=<sha> runs the sweep at that commit whatever is checked out: in a git worktree of it under
+# results/worktrees/ (its results/ subfolders linked to this checkout's), with this checkout's .venv, so a sweep
+# begun at one commit finishes at it while the branch moves on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
-name=glm-base
-sweep_dir=results/sweeps/$name
-example=results/examples/$name
-blocks=${BLOCKS:-A B C D E F}
-stages=${STAGES:-sft rm ppo}  # STAGES / SEEDS / ZEROS narrow a block (a partial night); cells keep their names
-seeds=${SEEDS:-1,2,3}
-zeros=${ZEROS:-0,2,3}  # block A's ZeRO stages
-mkdir -p "$sweep_dir"
-if [ -d "$example" ]; then  # resume from the curated records: their cells are not run again
-  (cd "$example" && find . -name record.json -exec cp -n --parents {} "../../../$sweep_dir/" \;)
+here=$(pwd)
+python=${PYTHON:-$here/.venv/bin/python}
+full=$(git rev-parse --verify "${COMMIT:-HEAD}^{commit}")
+if [ "$full" != "$(git rev-parse HEAD)" ]; then
+  tree=results/worktrees/${full:0:12}
+  [ -d "$tree" ] || git worktree add --detach "$tree" "$full"
+  mkdir -p results/sweeps results/cache results/perf results/pending
+  for sub in sweeps cache perf; do  # ignored folders: the worktree stays a clean checkout of the commit
+    [ -L "$tree/results/$sub" ] || ln -s "$here/results/$sub" "$tree/results/$sub"
+  done
+  # the worktree's own pending folder is a tracked path there: its copies go to this checkout's
+  cd "$tree" && exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" bash scripts/glm_sweep.sh
 fi
-common=(sweep_name=$name prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5
-        launcher.timeout_s=3600)
-# sweep MODEL RANKS OVERRIDES...: one Hydra multirun (a key may appear once per call). Then each run's closing
-# save is deleted: the benchmark reads records, and at glm-base a save is 0.4-0.5 GB, which over the sweep's
-# 177 runs filled this machine's disk (the prerequisite reward models stay, in results/cache).
-sweep() { local model=$1 ranks=$2; shift 2; .venv/bin/python -m bench.run -m "${common[@]}" model="$model" \
-            launcher.nproc="$ranks" "$@"
-          find "$sweep_dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune \
-            -exec rm -rf {} +; }
-# 1 warm-up step + 3 timed steps per run (a single run has a spread); fp16 runs get 8, so that DeepSpeed's and
-# ColossalAI's loss scale (2^16, halved per overflow) can calibrate within the stability rules' allowance
-steps() { [ "${2:-}" = fp16 ] && echo 8 || echo 4; }
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+  echo "glm_sweep.sh: the tree has uncommitted changes; curated runs come from a clean checkout at one commit" >&2
+  git status --short --untracked-files=no >&2
+  exit 2
+fi
+curated=${CURATED_ROOT:-$here/results}  # where pending/ and examples/ live (this checkout's, or the caller's)
+commit=${full:0:12}
+all_blocks="A2 A3 A0 B Z C D Q G E F P K N L"
+blocks=${BLOCKS:-$all_blocks}
+# Two sweeps: glm-base (blocks A2-F, and P's perf runs beside it) and the tiny model's claims pairs (K, N, L)
+for kind in glm-base claims; do
+  mkdir -p "results/sweeps/$kind-$commit"
+  if [ -d "$curated/pending/$kind-$commit" ]; then  # resume from the records a session before this one kept
+    (cd "$curated/pending/$kind-$commit" && find . -name record.json \
+       -exec cp -n --parents {} "$here/results/sweeps/$kind-$commit/" \;)
+  fi
+done
+common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
+all=dschat,colossalai,trlx,trl
+three=dschat,colossalai,trlx
+# sweep KIND OVERRIDES...: one Hydra multirun into results/sweeps/KIND-<commit> (a key may appear once per call);
+# then each run's closing save is deleted and the finished records are copied to the pending folder
+sweep() { local kind=$1; shift
+          local dir=results/sweeps/$kind-$commit pending=$curated/pending/$kind-$commit
+          "$python" -m bench.run -m sweep_name="$kind-$commit" launcher.timeout_s=3600 "$@"
+          find "$dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune \
+            -exec rm -rf {} +
+          mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$pending/" \;); }
+# glm MODEL RANKS OVERRIDES...: a cell of the glm-base benchmark
+glm() { local model=$1 ranks=$2; shift 2; sweep glm-base "${common[@]}" model="$model" launcher.nproc="$ranks" "$@"; }
+# tiny OVERRIDES...: a claims pair on the tiny model, 1 rank (A13's and B10's 120-step curves, A15's LoRA quality)
+tiny() { sweep claims model=tiny launcher.nproc=1 precision=bf16 zero=2 "$@"; }
 for block in $blocks; do
+  echo "== block $block ($(date -u +%H:%M:%S) UTC)"
   case $block in
-    A) for stage in $stages; do
-         sweep glm-base 2 framework=dschat,colossalai,trlx,trl stage=$stage steps="$(steps $stage)" \
-           precision=bf16 zero=$zeros lora=0 seed=$seeds
-       done ;;
-    B) for stage in $stages; do
-         sweep glm-base 2 framework=dschat,colossalai,trlx stage=$stage steps="$(steps $stage)" \
-           precision=bf16 zero=2 lora=64 seed=$seeds
-       done ;;
-    C) for stage in $stages; do
-         sweep glm-base 2 framework=dschat,colossalai stage=$stage steps="$(steps $stage fp16)" precision=fp16 zero=2 \
-           lora=0,64 seed=$seeds
-         sweep glm-base 2 framework=trlx stage=$stage steps="$(steps $stage)" precision=fp32 zero=2 lora=0,64 \
-           seed=$seeds
-       done ;;
-    D) [[ " $stages " == *" ppo "* ]] || continue
-       sweep glm-base 1 framework=dschat,colossalai,trlx stage=ppo steps=4 precision=bf16 zero=2 lora=0 \
-         seed=$seeds ;;
-    E) [[ " $stages " == *" sft "* ]] || continue
-       sweep glm-base 2 framework=dschat,colossalai,trlx stage=sft steps=4 precision=fp16 zero=2 lora=0 lr=1000 \
-         seed=1 "tags=[forced-failure]" ;;
-    F) [[ " $stages " == *" ppo "* ]] || continue
-       sweep glm-large 2 framework=dschat,colossalai,trlx stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
-    *) echo "unknown block $block (blocks: A B C D E F)" >&2; exit 2 ;;
+    A2) for stage in sft rm ppo; do
+          glm glm-base 2 framework=$all stage=$stage steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3
+        done ;;
+    A3) glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=3 lora=0 seed=1,2,3 ;;
+    A0) glm glm-base 2 framework=$all stage=ppo steps=4 precision=bf16 zero=0 lora=0 seed=1,2,3 ;;
+    B)  glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=64 seed=1,2,3
+        glm glm-base 2 framework=$three stage=sft,rm steps=4 precision=bf16 zero=2 lora=64 seed=1 ;;
+    Z)  glm glm-base 2 framework=$all stage=sft,rm steps=4 precision=bf16 zero=0 lora=0 seed=1
+        glm glm-base 2 framework=$three stage=sft,rm steps=4 precision=bf16 zero=3 lora=0 seed=1 ;;
+    C)  # 8 fp16 steps: DeepSpeed's and ColossalAI's loss scale (2^16, halved per overflow) calibrates within the
+        # stability rules' allowance
+        glm glm-base 2 framework=dschat,colossalai stage=ppo steps=8 precision=fp16 zero=2 lora=0 seed=1,2,3
+        glm glm-base 2 framework=dschat,colossalai stage=sft,rm steps=8 precision=fp16 zero=2 lora=0 seed=1
+        glm glm-base 2 framework=trlx stage=ppo steps=4 precision=fp32 zero=2 lora=0 seed=1,2,3
+        glm glm-base 2 framework=trlx stage=sft,rm steps=4 precision=fp32 zero=2 lora=0 seed=1 ;;
+    D)  glm glm-base 1 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3 ;;
+    Q)  glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3 \
+          reference.quant=int8 reward.quant=int8 quant_library=torchao
+        glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 \
+          reference.quant=int8 reward.quant=int8 quant_library=bitsandbytes ;;
+    G)  glm glm-base 2 framework=dschat stage=sft steps=6 precision=bf16 zero=2 lora=0 seed=1,2,3 \
+          ds.allgather_bucket_size=50000000,500000000 ;;
+    E)  glm glm-base 2 framework=$three stage=sft steps=4 precision=fp16 zero=2 lora=0 lr=1000 seed=1 \
+          "tags=[forced-failure]" ;;
+    F)  glm glm-large 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
+    P)  "$python" -m bench.perf --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
+          precision=bf16 zero=2 lora=0 prompt_len=128 answer_len=128 batch=2 steps=4 warmup_steps=1 \
+          stage_steps.rm=5 ;;
+    K)  tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=none reward.quant=none
+        tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=int8 reward.quant=int8 \
+          quant_library=torchao ;;
+    N)  tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reward.normalize=none,zscore ;;
+    L)  tiny framework=$three stage=sft,rm steps=40 lora=16 seed=1,2,3 lora_targets=qkv,all
+        tiny framework=$three stage=sft,rm steps=40 lora=16 seed=1,2,3 lora_targets=qkv lora_alpha=8 ;;
+    *)  echo "unknown block $block (blocks: $all_blocks)" >&2; exit 2 ;;
   esac
 done
-rm -rf "$example" && mkdir -p "$example"
-(cd "$sweep_dir" && find . -name record.json -exec cp --parents {} "../../../$example/" \;)
-.venv/bin/python -m bench.report "$example" --out "$example/report"
+if [ "$blocks" = "$all_blocks" ]; then  # the whole night is done: it becomes the curated examples
+  for kind in glm-base claims; do
+    example=$curated/examples/$kind
+    rm -rf "$example" && mkdir -p "$example"
+    (cd "results/sweeps/$kind-$commit" && find . -name record.json -exec cp --parents {} "$example/" \;)
+    "$python" -m bench.report "$example" --out "$example/report"
+    rm -rf "$curated/pending/$kind-$commit"
+  done
+  perf=$curated/examples/perf-glm-base-sft
+  find "results/perf/glm-base-sft-$commit" -type d \( -name checkpoint -o -name checkpoints \) -prune \
+    -exec rm -rf {} +
+  rm -rf "$perf" && mkdir -p "$perf"
+  cp -r "results/perf/glm-base-sft-$commit/." "$perf/"
+fi

@@ -275,6 +275,7 @@ def test_the_report_sets_trl_against_trlx_phase_by_phase() -> None:
     cells["other"] = {"framework.name": "dschat"}
     (table,) = trl_vs_trlx_table(rows, cells)
     generation = next(r for r in table.rows if r[2] == "generation")
-    assert generation[3:7] == ["950 ±50 (n=2)", "400", "3.10 ±0.10 (n=2)", "2.00"]
+    # n=2: the range, and the 95 % CI of the mean 12.706 x sd / sqrt 2 = 12.706 x 50 (MiB) and x 0.1 (s)
+    assert generation[3:7] == ["950 [900, 1,000] CI±635 (n=2)", "400", "3.10 [3.00, 3.20] CI±1.27 (n=2)", "2.00"]
     assert "output_scores" in generation[7]
     assert trl_vs_trlx_table([r for r in rows if r["framework"] != "trlx"], cells) == []

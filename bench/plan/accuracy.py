@@ -16,6 +16,7 @@ from bench.plan import calibration
 from bench.plan.calibration import Calibration
 from bench.plan.physics import dtype_bytes
 from bench.plan.predict import predict_stage, regime_of
+from bench.results.collect import cell_config, cell_id
 from bench.run.spec import SpecError, spec_from_config
 
 
@@ -48,9 +49,9 @@ class Comparison:
         return calibration.key(self.stage, self.phase, self.regime)
 
 
-def _cell(config: Mapping[str, Any], stage: str) -> str:
-    flat = {k: v for k, v in sorted(config.items()) if k not in ("seed", "run_name", "sweep_name", "output_root")}
-    return f"{stage}:{flat}"
+def _cell(record: dict[str, Any], stage: str) -> str:
+    """The report's cell (the whole configuration minus seed and bookkeeping, prerequisite paths as "given")."""
+    return cell_id(cell_config(record, stage))
 
 
 def _label(spec: Any) -> str:
@@ -96,7 +97,7 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
                     continue
                 p = predicted[phase]
                 out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
-                                      regime_of(spec), dtype_bytes(spec.precision), _cell(config, stage),
+                                      regime_of(spec), dtype_bytes(spec.precision), _cell(record, stage),
                                       _label(spec), measured, p.physics.device, p.predicted))
     return out
 
@@ -118,6 +119,24 @@ class Accuracy:
         return cls(runs=len(rows), mae_physics=statistics.mean(abs(c.error_physics) for c in rows),
                    mae=statistics.mean(abs(c.error) for c in rows), worst=worst,
                    within=sum(abs(c.error) <= tolerance for c in rows))
+
+
+# How far a figure is from what the calibration was fitted on, most out-of-sample first: a configuration the fit
+# never saw (predicted by a fit without it), a model it never saw, the fitted configurations at other seeds (the
+# same code path again: close to in-sample), configurations outside the selection, and the fitted runs themselves.
+LEAVE_ONE_OUT, OTHER_MODEL, OTHER_SEEDS, OTHER_CONFIG, FITTED = (
+    "leave one configuration out", "other model", "same configuration, other seeds", "configuration not fitted",
+    "fitted")
+SPLITS = (LEAVE_ONE_OUT, OTHER_MODEL, OTHER_SEEDS, OTHER_CONFIG, FITTED)
+
+
+def split_of(comparison: Comparison, chosen: set[str], chosen_cells: set[str], chosen_models: set[str]) -> str:
+    """Which split a figure falls in (not LEAVE_ONE_OUT: that one re-predicts the fitted configurations)."""
+    if comparison.run in chosen:
+        return FITTED
+    if comparison.model not in chosen_models:
+        return OTHER_MODEL
+    return OTHER_SEEDS if comparison.cell in chosen_cells else OTHER_CONFIG
 
 
 def fitted(comparison: Comparison, records: Mapping[str, dict[str, Any]],

@@ -19,7 +19,15 @@ from rich.table import Table
 
 from adapters import registry
 from bench.plan import calibration
-from bench.plan.accuracy import Accuracy, Comparison, comparisons, in_selection
+from bench.plan.accuracy import (
+    LEAVE_ONE_OUT,
+    SPLITS,
+    Accuracy,
+    Comparison,
+    comparisons,
+    in_selection,
+    split_of,
+)
 from bench.results.collect import collect
 
 TOLERANCE = 0.15
@@ -52,6 +60,19 @@ def _leave_one_out(rows: list[Comparison], chosen: set[str], framework: str, dev
         cal = calibration.fit(framework, device, _residuals(others), {})
         out += _apply([r for r in rows if r.cell == cell], cal, device)
     return out
+
+
+def splits(mine: list[Comparison], cal: calibration.Calibration, chosen: set[str], framework: str, device: str
+           ) -> dict[str, list[Comparison]]:
+    """A framework's figures by split (bench.plan.accuracy.SPLITS, most out-of-sample first), each predicted by
+    `cal` except leave-one-configuration-out, whose every fitted configuration is predicted by a fit without it."""
+    fitted_rows = [r for r in mine if r.run in chosen]
+    cells, models = {r.cell for r in fitted_rows}, {r.model for r in fitted_rows}
+    out: dict[str, list[Comparison]] = {name: [] for name in SPLITS}
+    out[LEAVE_ONE_OUT] = _leave_one_out([r for r in mine if r.cell in cells], chosen, framework, device)
+    for row in _apply(mine, cal, device):
+        out[split_of(row, chosen, cells, models)].append(row)
+    return {name: rows for name, rows in out.items() if rows}
 
 
 def refit(records: dict[str, dict[str, Any]], rows: list[Comparison], selection: dict[str, Any], root: str,
@@ -106,11 +127,7 @@ def main(argv: list[str] | None = None) -> int:
             console.print(f"[yellow]{framework}: no run matches the selection; its calibration is unchanged[/yellow]")
             continue
         cal, mine, chosen, device = fit
-        fitted = [r for r in mine if r.run in chosen]
-        splits = [("fitted", _apply(fitted, cal, device)),
-                  ("held out", _apply([r for r in mine if r.run not in chosen], cal, device)),
-                  ("leave one configuration out", _leave_one_out(mine, chosen, framework, device))]
-        for split, subset in splits:
+        for split, subset in splits(mine, cal, chosen, framework, device).items():
             acc = Accuracy.of(subset, TOLERANCE)
             if acc is None:
                 continue

@@ -5,8 +5,8 @@ The bound for a memory figure is the least any framework can hold per GPU in the
 roles' weights, gradients and optimizer states under the stated ZeRO stage (bench.plan.cluster: the ZeRO
 paper's bytes; DeepSpeed and the others hold more), plus the activations of the stated micro-batch with full
 recomputation (the least a backward can keep), and nothing else: no cache, logits, buffers or allocator
-slack. A figure below it is "implausible as stated". A published "GB" is read as GiB (the larger unit), so
-a figure is only called implausible when it is below the bound in either reading.
+slack. A figure below it is "implausible as stated". A published "GB" is read as 10^9 bytes (none of the
+sources says GiB); bounds are stated in GB with GiB (2^30 bytes) beside them.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from bench.plan.cluster import GPUS, Layout, Role, Workload, resident, training
 from bench.plan.physics import Arch
 
 GIB = 2 ** 30
+GB = 10 ** 9
 IMPLAUSIBLE, CONSISTENT = "implausible as stated", "consistent with the arithmetic"
 STAGE_ROLES = {"sft": ("actor",), "rm": ("critic",), "ppo": ("actor", "critic", "reference", "reward")}
 SMALL_MODEL = Arch(hidden=2048, layers=20, heads=16, vocab=50304, positions=1024)  # ~1.1 B: "a smaller critic"
@@ -64,9 +65,9 @@ CHANGES = (("LoRA rank 8", {"lora": 8}), ("optimizer offload", {"offload": True}
 def memory_figures(setting: Setting, figures_gb: dict[str, float]) -> tuple[str, str]:
     """(verdict, evidence) for published per-GPU peaks of one stage: implausible if any is below the bound."""
     bound = lower_bound(setting)
-    low = {k: v for k, v in figures_gb.items() if v * GIB < bound}
+    low = {k: v for k, v in figures_gb.items() if v * GB < bound}
     base = (f"the stated configuration ({setting.stage.upper()}, {_describe(setting)}) must hold at least "
-            f"{bound / GIB:.1f} GiB per GPU (model states + recomputed activations, nothing else)")
+            f"{_both(bound)} per GPU (model states + recomputed activations, nothing else)")
     if not low:
         shown = ", ".join(f"{k} {v:g}" for k, v in figures_gb.items())
         return CONSISTENT, f"{base}; every figure ({shown} GB) is above it"
@@ -76,10 +77,14 @@ def memory_figures(setting: Setting, figures_gb: dict[str, float]) -> tuple[str,
                 or (change == {"offload": True} and setting.offload):
             continue
         changed = lower_bound(replace(setting, **change))
-        fits = [k for k, v in low.items() if v * GIB >= changed]
-        possible.append(f"{name}: {changed / GIB:.1f} GiB" + (f" (makes {', '.join(fits)} possible)" if fits else ""))
+        fits = [k for k, v in low.items() if v * GB >= changed]
+        possible.append(f"{name}: {_both(changed)}" + (f" (makes {', '.join(fits)} possible)" if fits else ""))
     shown = ", ".join(f"{k} {v:g} GB" for k, v in low.items())
     return IMPLAUSIBLE, f"{base}; below it: {shown}. Bounds with one change: {'; '.join(possible)}"
+
+
+def _both(size: float) -> str:
+    return f"{size / GB:.1f} GB ({size / GIB:.1f} GiB)"
 
 
 def _describe(setting: Setting) -> str:
@@ -94,10 +99,10 @@ def _describe(setting: Setting) -> str:
 
 def fits_device(setting: Setting, gpu_gb: float, share: float = 1.0) -> tuple[str, str]:
     """Whether the stated configuration's bound fits `share` of a GPU of `gpu_gb` vendor gigabytes."""
-    bound, usable = lower_bound(setting), share * gpu_gb * 1e9
+    bound, usable = lower_bound(setting), share * gpu_gb * GB
     verdict = CONSISTENT if bound <= usable else IMPLAUSIBLE
-    return verdict, (f"{setting.stage.upper()}, {_describe(setting)}: at least {bound / GIB:.1f} GiB per GPU against "
-                     f"{usable / GIB:.1f} GiB ({share:.0%} of {gpu_gb:g} GB)")
+    return verdict, (f"{setting.stage.upper()}, {_describe(setting)}: at least {_both(bound)} per GPU against "
+                     f"{_both(usable)} ({share:.0%} of {gpu_gb:g} GB)")
 
 
 def batch_arithmetic(global_batch: int, micro_batch: int, accumulation: int, data_parallel: int) -> tuple[str, str]:

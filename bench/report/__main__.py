@@ -14,10 +14,12 @@ import sys
 from rich.console import Console
 
 from bench.report import (
+    cells,
     checkpoints,
     claims,
     decision,
     differences,
+    environment,
     fixed_cost,
     plots,
     prediction,
@@ -42,6 +44,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="stage the decision tree decides on (default: ppo if measured, else rm, else sft)")
     parser.add_argument("--include-harness-extensions", action="store_true",
                         help="let the decision tree count cells only this harness can run (tagged harness_extension)")
+    parser.add_argument("--allow-mixed-provenance", action="store_true",
+                        help="let verdicts and leaves count cells whose runs differ in commit, dirty state, host "
+                             "type, library versions or measurement settings (flagged either way)")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     if not os.path.isdir(args.root):
@@ -50,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_gib is not None and args.budget_gib <= 0:
         console.print(f"[red]--budget-gib={args.budget_gib} must be > 0[/red]")
         return 2
-    collection = collect(args.root)
+    collection = collect(args.root, allow_mixed=args.allow_mixed_provenance)
     for problem in collection.problems:
         console.print(f"[yellow]skipped {problem.path}: {problem.reason}[/yellow]")
     if not collection.records:
@@ -68,13 +73,15 @@ def main(argv: list[str] | None = None) -> int:
         + soak.soak_table(collection.rows, collection.records)
         + checkpoints.checkpoint_table(collection.rows, collection.cells)
         + fixed_cost.fixed_cost_table(collection.rows)
-        + prediction.prediction_table(collection.records),
+        + prediction.prediction_table(collection.records)
+        + [cells.cells_table(collection, out)],
         plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))
         + soak.soak_figure(collection.rows, collection.records, os.path.join(out, "plots")),
         tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),
         claims=claims.check_all(collection.rows, collection.records, collection.cells),
         caveat=claims.caveat(collection.rows, collection.records),
         generated_utc=utc_now(),
+        environment=environment.environment_tables(collection),
     )
     written = render.write_flat(collection.rows, out)
     for name, text in (("report.md", render.markdown(report)), ("report.html", render.html_page(report))):

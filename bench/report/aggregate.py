@@ -1,4 +1,4 @@
-"""Repeated runs of one cell aggregate to median and spread (max - min).
+"""Repeated runs of one cell aggregate to median, range (min to max) and a 95 % confidence interval of the mean.
 
 A cell is the whole resolved configuration of a stage row minus the seed and bookkeeping keys
 (bench.results.collect.cell_config): runs that differ in learning rate, lengths, steps, device, optimizer or any
@@ -21,6 +21,15 @@ IMPLIED_KEYS = ("stage_row", "stage.name", "stage.stages", "framework.name", "mo
                 "reward.quant")
 
 
+# Student's t, two-sided 95 %, by degrees of freedom (n - 1); past 30 the normal 1.96
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+SPREAD_RULE = ("Spread: a value is the median over the cell's repeats (seeds); [low, high] is their range (min to "
+               "max) and CI the half-width of the 95 % confidence interval of their mean (Student's t, n - 1 degrees "
+               "of freedom); a value without brackets is a single run. A difference counts only where both sides "
+               "have n >= 3 and their ranges do not touch; anything else is a tie or undecided.")
+
+
 @dataclass
 class Stat:
     median: float | None
@@ -28,13 +37,15 @@ class Stat:
     n: int                # runs with a finite value
     low: float | None = None
     high: float | None = None
+    ci: float | None = None  # half-width of the 95 % confidence interval of the mean (n >= 2)
 
     def fmt(self, scale: float = 1.0, digits: int = 1) -> str:
         if self.median is None:
             return "-"
         text = f"{self.median / scale:,.{digits}f}"
         if self.n > 1:
-            text += f" ±{self.spread / scale / 2:,.{digits}f} (n={self.n})"
+            low, high, ci = self.low / scale, self.high / scale, self.ci / scale
+            text += f" [{low:,.{digits}f}, {high:,.{digits}f}] CI±{ci:,.{digits}f} (n={self.n})"
         return text
 
 
@@ -43,7 +54,13 @@ def stat(values: list[Any]) -> Stat:
               and math.isfinite(v)]
     if not finite:
         return Stat(None, None, 0)
-    return Stat(statistics.median(finite), max(finite) - min(finite), len(finite), min(finite), max(finite))
+    n = len(finite)
+    t = T_975[n - 2] if n - 1 <= len(T_975) else 1.96
+    ci = t * statistics.stdev(finite) / math.sqrt(n) if n > 1 else None
+    return Stat(statistics.median(finite), max(finite) - min(finite), n, min(finite), max(finite), ci)
+
+
+MIN_REPEATS = 3  # runs (seeds) per side before a difference can be judged against the spread
 
 
 def overlap(a: Stat, b: Stat) -> bool:

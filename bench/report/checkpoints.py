@@ -34,5 +34,5 @@ def checkpoint_table(rows: list[dict[str, Any]], cells: Cells) -> list[Table]:
                   "writes; async: the same save with host copies instead of writes, plus any wait for the "
                   "previous save's writes); stall / step: that over the run's mean step time; background write: "
                   "the writer thread's time per save (async only), which overlaps the following steps; MiB: the "
-                  "complete checkpoint directory, every rank's files. Median over the cell's runs, ± half the "
-                  "range.", header, body)]
+                  "complete checkpoint directory, every rank's files. Median over the cell's runs [range] CI (n).",
+                  header, body)]

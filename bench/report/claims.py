@@ -16,8 +16,8 @@ from typing import Any
 from bench.plan import claims_arithmetic as arithmetic
 from bench.plan import plan_file
 from bench.plan.physics import Arch
-from bench.report.aggregate import Stat, stat
-from bench.report.pairs import describe, matched_sets, tied
+from bench.report.aggregate import MIN_REPEATS, Stat, stat
+from bench.report.pairs import FEW, HIGHER, LOWER, TIE_, compare, describe, matched_sets, tied
 from bench.results.collect import FORCED_FAILURE, YARDSTICK, is_forced_failure, tags_of
 
 MIB = 1024.0 * 1024.0
@@ -38,6 +38,15 @@ Rows = list[dict[str, Any]]
 Records = dict[str, dict[str, Any]]
 Cells = dict[str, dict[str, Any]]
 TIE = "not supported (tie)"
+UNDECIDED = f"not decided (fewer than {MIN_REPEATS} repeats a side)"
+# How every figure below reads a published one (stated once, above the verdicts)
+UNITS = ("Units: a published \"GB\" is read as 10^9 bytes (none of the sources says GiB); measured memory is in "
+         "MiB (2^20 bytes) and bounds in GB (10^9 bytes) with GiB (2^30) beside them.")
+VERDICT_RULE = (f"Verdicts: supported or contradicted only where the cells compared differ in the claim's knob "
+                f"alone, each has at least {MIN_REPEATS} repeats and their ranges (min to max) do not touch, in the "
+                "stated direction (and, where the claim states a range, within it: else partly supported); "
+                "overlapping ranges read not supported (tie); fewer repeats read not decided. Each verdict names "
+                "its pairs with their n.")
 
 
 def _scale_note(rows: Rows) -> str:
@@ -47,10 +56,11 @@ def _scale_note(rows: Rows) -> str:
 
 
 def _combine(outcomes: list[str]) -> str:
-    """One verdict from the matched sets' own: all agree -> theirs; ties only -> tie; else partly."""
-    decided = [o for o in outcomes if o != TIE]
+    """One verdict from the matched sets' own: all agree -> theirs; ties (and undecided) only -> tie (undecided
+    where no set had the repeats); else partly."""
+    decided = [o for o in outcomes if o not in (TIE, UNDECIDED)]
     if not decided:
-        return TIE
+        return TIE if TIE in outcomes else UNDECIDED
     if all(o == SUPPORTED for o in decided) and len(decided) == len(outcomes):
         return SUPPORTED
     if all(o == CONTRADICTED for o in decided):
@@ -86,7 +96,9 @@ def memory_order(stage: str) -> Callable[[Rows, Records, Cells], tuple[str, str]
             groups = _strict_order(stats)
             claimed = [f for f in CLAIMED_MEMORY_ORDER if f in stats]
             measured = [f for g in groups for f in g]
-            if measured == claimed and all(len(g) == 1 for g in groups):
+            if min(s.n for s in stats.values()) < MIN_REPEATS:
+                outcomes.append(UNDECIDED)
+            elif measured == claimed and all(len(g) == 1 for g in groups):
                 outcomes.append(SUPPORTED)
             elif all(claimed.index(a) < claimed.index(b) or _same_group(groups, a, b)
                      for a, b in combinations(measured, 2)):
@@ -95,7 +107,8 @@ def memory_order(stage: str) -> Callable[[Rows, Records, Cells], tuple[str, str]
                 outcomes.append(CONTRADICTED)
             order = " > ".join("=".join(g) for g in groups)
             parts.append(f"{describe(matched, 'growth_bytes', MIB, ' MiB', 0)} -> {order} ({outcomes[-1]})")
-        return _combine(outcomes), (f"memory growth over the post-import baseline (max over ranks and phases), "
+        return _combine(outcomes), (f"memory growth over the post-import baseline (max over ranks and the phases "
+                                    "after imports), "
                                     f"matched sets: {'; '.join(parts)}; claimed order "
                                     f"{' > '.join(CLAIMED_MEMORY_ORDER)}; '=' joins intervals that overlap"
                                     + _scale_note(rows))
@@ -107,19 +120,40 @@ def _same_group(groups: list[list[str]], a: str, b: str) -> bool:
 
 
 def lora_support(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
-    lora = [r for r in rows if r["lora"] and not is_forced_failure(r)]
+    """A4 names support levels (trlx complete, DS-Chat partial, ColossalAI experimental). Measured: which stages
+    each framework's LoRA runs finish, and what its LoRA leaves training (trainable / all parameters of the
+    trained models, read from the built models): DS-Chat wraps only the blocks' linear weights of the actor and
+    keeps embeddings, norms, biases and the whole critic trainable. Every framework running every stage
+    contradicts "partial" and "experimental" as support levels; where one framework's LoRA still trains far
+    more of its models (over twice the others' share), its LoRA is partial in what it freezes: partly supported."""
+    lora = [r for r in rows if r["lora"] and not is_forced_failure(r) and not r.get("refused")]
     if not lora:
         return NOT_MEASURED, "no LoRA runs"
-    parts, complete = [], []
+    parts, complete, shares = [], [], {}
     for framework in sorted({r["framework"] for r in lora}):
         runs = [r for r in lora if r["framework"] == framework]
-        ok = sum(r["status"] == "ok" for r in runs)
-        stages = sorted({r["stage"] for r in runs if r["status"] == "ok"})
-        parts.append(f"{framework}: {ok}/{len(runs)} LoRA stage runs ok ({', '.join(stages) or 'none'})")
-        complete.append(ok == len(runs) and set(stages) >= {"sft", "rm", "ppo"})
+        ok = [r for r in runs if r["status"] == "ok"]
+        stages = sorted({r["stage"] for r in ok})
+        trained = [(r["trainable_params"], r["trained_params"]) for r in ok
+                   if r["stage"] == "ppo" and r.get("trainable_params") and r.get("trained_params")]
+        share = ""
+        if trained:
+            trainable, total = min(trained)
+            shares[framework] = trainable / total
+            share = (f"; in PPO its LoRA leaves {trainable / 1e6:,.2f} M of {total / 1e6:,.2f} M parameters of the "
+                     f"trained models training ({shares[framework]:.1%})")
+        parts.append(f"{framework}: {len(ok)}/{len(runs)} LoRA stage runs ok ({', '.join(stages) or 'none'}){share}")
+        complete.append(len(ok) == len(runs) and set(stages) >= {"sft", "rm", "ppo"})
+    note = ("DS-Chat's --actor_lora_dim wraps the actor's block linear weights only: embeddings, norms, biases "
+            "and the whole critic stay trainable")
+    heavy = [f for f, v in shares.items() if len(shares) > 1 and all(v > 2 * o for g, o in shares.items() if g != f)]
     if all(complete) and len(complete) > 1:
-        return CONTRADICTED, "every framework ran LoRA through SFT, RM and PPO: " + "; ".join(parts)
-    return PARTLY if any(complete) else NOT_MEASURED, "; ".join(parts)
+        if heavy:
+            return PARTLY, (f"every framework runs LoRA through SFT, RM and PPO (against 'partial' and 'experimental' "
+                            f"as support levels), but {', '.join(heavy)}'s LoRA trains over twice the others' share "
+                            f"of parameters ({note}): " + "; ".join(parts))
+        return CONTRADICTED, f"every framework ran LoRA through SFT, RM and PPO ({note}): " + "; ".join(parts)
+    return PARTLY if any(complete) else NOT_MEASURED, "; ".join(parts) + f" ({note})"
 
 
 def _unstable_share(runs: Rows) -> float:
@@ -159,21 +193,30 @@ def precision_stability(rows: Rows, records: Records, cells: Cells) -> tuple[str
     return (_combine(measured) if measured else NOT_MEASURED), text
 
 
+CLAIMED_ZERO3_RANGE = (1.15, 1.20)  # A7: ZeRO-3 / ZeRO-2 peak
+
+
 def zero3_vs_zero2(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
+    """A7, PPO cells that differ only in the ZeRO stage: supported where ZeRO-3's peak is above ZeRO-2's beyond
+    the spread and the ratio of medians lies in the claimed 1.15-1.20; partly where it is above but outside
+    that range; contradicted where it is below beyond the spread; a tie where the ranges touch."""
     outcomes, parts = [], []
+    low, high = CLAIMED_ZERO3_RANGE
     for matched in matched_sets(rows, cells, "zero", "ppo"):
         stats = matched.stats("peak_bytes")
         if 2 not in stats or 3 not in stats:
             continue
         ratio = stats[3].median / stats[2].median
-        outcome = (TIE if tied(stats[2], stats[3]) else SUPPORTED if ratio >= 1.10
-                   else CONTRADICTED if ratio <= 1.0 else PARTLY)
+        side = compare(stats[3], stats[2])
+        outcome = {FEW: UNDECIDED, TIE_: TIE, LOWER: CONTRADICTED}.get(
+            side, SUPPORTED if low <= ratio <= high else PARTLY)
         outcomes.append(outcome)
-        parts.append(f"{describe(matched, 'peak_bytes', MIB, ' MiB', 0)}: ZeRO-3 / ZeRO-2 peak = {ratio:.3f} "
-                     f"({outcome})")
+        where = "inside" if low <= ratio <= high else "outside"
+        parts.append(f"{describe(matched, 'peak_bytes', MIB, ' MiB', 0)}: ZeRO-3 / ZeRO-2 peak = {ratio:.3f}, "
+                     f"{where} the claimed {low:.2f}-{high:.2f} ({outcome})")
     if not outcomes:
         return NOT_MEASURED, "needs ok PPO runs at zero=2 and zero=3 of one configuration"
-    return _combine(outcomes), "; ".join(parts) + " (claim: 1.15-1.20)" + _scale_note(rows)
+    return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
 
 
 def lora_rank_cost(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
@@ -184,7 +227,8 @@ def lora_rank_cost(rows: Rows, records: Records, cells: Cells) -> tuple[str, str
             continue
         for rank in [r for r in stats if r >= 64]:
             ratio = stats[rank].median / stats[0].median
-            outcome = TIE if tied(stats[0], stats[rank]) else SUPPORTED if ratio >= 1.0 else CONTRADICTED
+            outcome = {FEW: UNDECIDED, TIE_: TIE, HIGHER: SUPPORTED, LOWER: CONTRADICTED}[
+                compare(stats[rank], stats[0])]
             outcomes.append(outcome)
             parts.append(f"{describe(matched, 'growth_bytes', MIB, ' MiB', 0)}: LoRA {rank} / full = {ratio:.3f} "
                          f"({outcome})")
@@ -198,9 +242,12 @@ def trlx_grad_ckpt(rows: Rows, records: Records, cells: Cells) -> tuple[str, str
     for matched in matched_sets([r for r in rows if r["framework"] == "trlx"], cells, "grad_ckpt", "ppo"):
         stats = matched.stats("step_time_s")
         ratio = stats[True].median / stats[False].median
-        outcome = SUPPORTED if 2.0 <= ratio <= 4.0 else CONTRADICTED
+        side = compare(stats[True], stats[False])
+        outcome = {FEW: UNDECIDED, TIE_: TIE, LOWER: CONTRADICTED}.get(
+            side, SUPPORTED if 2.0 <= ratio <= 4.0 else PARTLY)
         outcomes.append(outcome)
-        parts.append(f"{describe(matched, 'step_time_s', 1.0, ' s', 2)}: with / without = {ratio:.2f}x ({outcome})")
+        parts.append(f"{describe(matched, 'step_time_s', 1.0, ' s', 2)}: with / without = {ratio:.2f}x, claimed 3x "
+                     f"(2-4x counts as it) ({outcome})")
     if not outcomes:
         return NOT_MEASURED, "needs ok trlx PPO runs with grad_ckpt=true and false at one configuration (gradient " \
                              "checkpointing is a harness extension for trlx)"
@@ -304,7 +351,7 @@ def int8_frozen_roles(rows: Rows, records: Records, cells: Cells) -> tuple[str, 
     if not memory and not accuracy:
         return NOT_MEASURED, ("needs ok PPO runs with reference.quant and reward.quant int8 and none at one "
                               "configuration: on a GLM-ladder model for the memory, over at least "
-                              f"{CURVE_STEPS} steps for the accuracy (scripts/claims_sweep.sh, blocks Q and K)")
+                              f"{CURVE_STEPS} steps for the accuracy (scripts/glm_sweep.sh, blocks Q and K)")
     halves = [f"memory {'lower in every set' if all(memory) else 'not lower in every set'}" if memory
               else "memory not measured on a GLM-ladder model",
               f"reward and KL {'within the spread in every set' if all(accuracy) else 'apart in some set'}"
@@ -322,7 +369,8 @@ def allgather_bucket(rows: Rows, records: Records, cells: Cells) -> tuple[str, s
     """A14, from cells that differ only in ds.allgather_bucket_size, 5e8 against each smaller value: the
     training phase's time per step (DeepSpeed exposes no communication time on these engines, so the whole
     phase is compared; a 20 % cut of its communication shows as less). Per pair: supported where 5e8's time
-    is lower beyond the repeats' spread, contradicted where it is not; the verdict is the pairs' common one."""
+    is lower beyond the repeats' spread, contradicted where it is higher beyond it, a tie where the ranges
+    touch; the verdict is the pairs' common one."""
     outcomes, parts = [], []
     for matched in matched_sets(rows, cells, "allgather_bucket"):
         runs = matched.by_value
@@ -334,20 +382,21 @@ def allgather_bucket(rows: Rows, records: Records, cells: Cells) -> tuple[str, s
             other = times[value]
             if claimed.median is None or other.median is None:
                 continue
-            lower = not tied(claimed, other) and claimed.median < other.median
-            outcomes.append(SUPPORTED if lower else CONTRADICTED)
+            side = compare(claimed, other)
+            outcomes.append({FEW: UNDECIDED, TIE_: TIE, LOWER: SUPPORTED, HIGHER: CONTRADICTED}[side])
+            words = {FEW: f"fewer than {MIN_REPEATS} repeats a side", TIE_: "ranges touch",
+                     LOWER: "lower beyond the spread", HIGHER: "higher beyond the spread"}[side]
             parts.append(f"[{matched.fixed}] training step {claimed.fmt(1.0, 2)} s at 5e8 vs {other.fmt(1.0, 2)} s "
                          f"at {value:.0e} ({(1 - claimed.median / other.median) * 100:+.1f} % less time with 5e8): "
-                         + ("lower beyond the spread" if lower else "not lower beyond the spread"))
+                         f"{words} ({outcomes[-1]})")
     if not outcomes:
         return NOT_MEASURED, ("needs ok runs with ds.allgather_bucket_size 5e8 and a smaller value at one "
-                              "configuration (scripts/claims_sweep.sh, block C)")
-    verdict = outcomes[0] if len(set(outcomes)) == 1 else PARTLY
-    return verdict, "; ".join(parts) + _scale_note(rows)
+                              "configuration (scripts/glm_sweep.sh, block G)")
+    return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
 
 
 CLAIMED_SPEEDUP = 0.4  # A13: z-score normalisation converges in 40 % fewer steps
-MIN_SEEDS = 3  # A13: repeats per cell (the issue: compared over at least 3 seeds)
+MIN_SEEDS = MIN_REPEATS  # A13: repeats per cell
 
 
 def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
@@ -355,7 +404,8 @@ def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str,
     MIN_SEEDS repeats: the steps until the preferred-token share covers 90 % of its rise (converged_step; a
     run whose share never rose counts as its whole length, not converged). Per set: supported where zscore's
     median is at most 60 % of none's and the repeats' ranges do not touch, partly where it is faster beyond
-    the spread by less, contradicted otherwise; the verdict is the sets' common outcome, else partly."""
+    the spread by less, contradicted where it is slower beyond the spread, a tie where the ranges touch; the
+    verdict is the sets' common outcome, else partly."""
     outcomes, parts = [], []
     for matched in matched_sets(rows, cells, "normalize", "ppo"):
         runs = matched.by_value
@@ -366,9 +416,9 @@ def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str,
         z, n = steps["zscore"], steps["none"]
         if z.median is None or n.median is None:
             continue
-        faster = not tied(z, n) and z.median < n.median
-        outcome = (SUPPORTED if faster and z.median <= (1 - CLAIMED_SPEEDUP) * n.median
-                   else PARTLY if faster else CONTRADICTED)
+        side = compare(z, n)
+        outcome = {FEW: UNDECIDED, TIE_: TIE, HIGHER: CONTRADICTED}.get(
+            side, SUPPORTED if z.median <= (1 - CLAIMED_SPEEDUP) * n.median else PARTLY)
         outcomes.append(outcome)
         never = {v: sum(r.get("converged_step") is None for r in runs[v]) for v in ("zscore", "none")}
         share = matched.stats("preferred_fraction_end")
@@ -380,9 +430,8 @@ def zscore_convergence(rows: Rows, records: Records, cells: Cells) -> tuple[str,
             f"share {share['zscore'].fmt(1.0, 3)} vs {share['none'].fmt(1.0, 3)}: {outcome}")
     if not outcomes:
         return NOT_MEASURED, (f"needs ok PPO runs with reward.normalize zscore and none at one configuration, "
-                              f"{MIN_SEEDS}+ seeds each (scripts/claims_sweep.sh, block N)")
-    verdict = outcomes[0] if len(set(outcomes)) == 1 else PARTLY
-    return verdict, "; ".join(parts) + _scale_note(rows)
+                              f"{MIN_SEEDS}+ seeds each (scripts/glm_sweep.sh, block N)")
+    return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
 
 
 # A15's quality figure per stage: (column, higher is better, in words)
@@ -445,7 +494,7 @@ def lora_practice(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]
                 parts.append(text + (": learns as well" if as_well else ": learns worse") + f" ({outcomes[-1]})")
     if not outcomes:
         return NOT_MEASURED, ("needs ok runs at a LoRA rank of 8-32 that differ only in lora_targets (qkv and "
-                              "another set) or in lora_alpha (rank / 2 and another value) (scripts/claims_sweep.sh, "
+                              "another set) or in lora_alpha (rank / 2 and another value) (scripts/glm_sweep.sh, "
                               "block L)" + ("; " + "; ".join(parts) if parts else ""))
     return _combine(outcomes), "; ".join(parts) + _scale_note(rows)
 
@@ -577,9 +626,18 @@ CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]]
 
 
 def check_all(rows: Rows, records: Records, cells: Cells) -> list[Verdict]:
-    """The claims are about the frameworks: the plain-PyTorch reference is never evidence for or against one."""
+    """The claims are about the frameworks: the plain-PyTorch reference is never evidence for or against one.
+    A verdict read from measurements says how many cells of mixed provenance it had to leave out."""
     rows = [r for r in rows if r["framework"] != YARDSTICK]
-    return [Verdict(claim_id, claim, *check(rows, records, cells)) for claim_id, claim, check in CLAIMS]
+    refused = {r["cell"] for r in rows if r.get("refused")}
+    note = (f" [{len(refused)} cell(s) of mixed provenance left out: runs at different commits, dirty states, "
+            "hosts, versions or measurement settings; --allow-mixed-provenance counts them]") if refused else ""
+    out = []
+    for claim_id, claim, check in CLAIMS:
+        verdict, evidence = check(rows, records, cells)
+        measured = verdict not in (NOT_MEASURABLE, arithmetic.IMPLAUSIBLE, arithmetic.CONSISTENT)
+        out.append(Verdict(claim_id, claim, verdict, evidence + (note if measured else "")))
+    return out
 
 
 def caveat(rows: Rows, records: Records) -> str:
@@ -594,8 +652,9 @@ def caveat(rows: Rows, records: Records) -> str:
             sizes[r["model"]] = min(params, sizes.get(r["model"], params))
     models = ", ".join(f"{m} ({sizes[m] / 1e6:,.1f} M parameters)" if m in sizes else m
                        for m in sorted({r["model"] for r in evidence}))
-    env = next(iter(records.values())).get("environment") or {}
-    machine = f"{env.get('gpu') or env.get('cpu')} x{env.get('cpu_count')} cores, device {env.get('device')}"
+    hosts = sorted({r.get("host_type") or "unknown host" for r in evidence})
+    devices = sorted({r.get("device") or "?" for r in evidence})
+    machine = f"{'; '.join(hosts)} (device {', '.join(devices)})"
     repeats: dict[str, int] = {}
     for r in evidence:
         repeats[r["cell"]] = repeats.get(r["cell"], 0) + 1

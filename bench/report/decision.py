@@ -1,15 +1,20 @@
 """The decision tree for choosing a framework, built from the measured rows.
 
-Questions: which model, how many GPUs (ranks), which precision, full fine-tuning, LoRA or partial
-freezing (a framework that trains only some blocks is not doing full fine-tuning). At each leaf, per
-framework: the fastest configuration that finished, stayed numerically stable and fits the memory budget
-(peak, max over ranks). Speed is samples/s per GPU at one update pass per rollout (equal work: trlx's 4
-PPO epochs count as one). A leaf names a framework only when both leaders have an interval (3 repeats,
-or 3 timed steps of one run) and the leader is >= 10 % ahead with intervals that do not overlap.
-Forced-failure runs never count. Cells only this harness
-can run (`harness_extension`: DS-Chat or coati in fp32, coati's PPO on ddp/zero1, trlx with gradient
-checkpointing, ...) are left out unless asked for: no user of the framework could deploy them. The
-plain-PyTorch reference (`framework=torch`) appears in a leaf's evidence as the yardstick, never as its verdict.
+The root states the hardware the evidence came from (host types and device); the questions follow it: which
+model, how many ranks (GPUs on a GPU host, processes on a CPU host), which precision, full fine-tuning, LoRA
+or partial freezing (a framework that trains only some blocks is not doing full fine-tuning). At each leaf,
+per framework: the fastest configuration that finished, stayed numerically stable and fits the memory budget
+(peak, max over ranks). Speed is the measured step rate: samples per second per rank over whole steps, with
+each framework's own update passes; the derived figure at one update pass per rollout (trlx's 4 PPO epochs
+counted as one) stands beside it. A leaf names a framework only when both leaders have 3 repeats and the
+leader is >= 10 % ahead with ranges that do not overlap, their cells were measured alike (lengths, warm-up,
+heap release, commit, host type) and, for LoRA, they train a like number of parameters. A framework whose
+runs are all `unsupported` cannot run the mode: that is its own outcome, never "does not fit"; a leaf that
+only one framework can run says so and names no winner. Forced-failure runs and cells of mixed provenance
+never count. Cells only this harness can run (`harness_extension`: DS-Chat or coati in fp32, coati's PPO on
+ddp/zero1, trlx with gradient checkpointing, ...) are left out unless asked for: no user of the framework could
+deploy them. The plain-PyTorch reference (`framework=torch`) appears in a leaf's evidence as the yardstick,
+never as its verdict.
 """
 
 from __future__ import annotations
@@ -17,14 +22,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.report.aggregate import Stat, group, overlap, per_gpu, stat
+from bench.report.aggregate import MIN_REPEATS, Stat, group, overlap, per_gpu, stat
 from bench.results.collect import YARDSTICK, is_forced_failure
 
 MIB = 1024.0 * 1024.0
 STABLE = ("stable", "recovered")
 CLOSE_CALL = 1.10  # a lead under 10 % (or overlapping spreads) is within run-to-run noise on shared machines
 STAGE_PREFERENCE = ("ppo", "rm", "sft", "grpo")  # grpo (TRL only) is decided on its own, never pooled with ppo
-MIN_REPEATS = 3  # runs per cell, or timed steps of one run, before a lead can be judged against noise
+LIKE_WORK = 1.5  # LoRA leaves: trainable parameters within this ratio count as like work
 FINETUNE = (("full fine-tuning", "full"), ("LoRA", "lora"),
             ("partial freezing (only some blocks train, e.g. trlx's hydra policy)", "partial"))
 
@@ -40,17 +45,20 @@ class Leaf:
 class Node:
     question: str
     branches: list[tuple[str, Node | Leaf]] = field(default_factory=list)
+    ranks: str = "rank(s)"  # at the root: what a rank is on the evidence's hardware ("GPU(s)", "CPU processes")
 
 
 @dataclass
 class Candidate:
     framework: str
     config: str
-    speed: Stat            # samples/s per GPU: over repeats, or one run's per-step interval
-    interval_from: str     # "repeats" | "steps" | "" (no interval: cannot be named)
+    speed: Stat            # measured samples/s per rank over the cell's repeats
+    one_pass: Stat         # derived: samples/s per rank at one update pass
     peak_bytes: float
     runs: int
     timed_steps: int
+    trainable: float | None  # parameters that train in the trained models (LoRA: its factors and what else)
+    alike: tuple[str, ...]   # what must agree across the leaf's candidates: measurement settings, commit, host
 
 
 def _config_text(runs: list[dict[str, Any]]) -> str:
@@ -64,23 +72,15 @@ def _config_text(runs: list[dict[str, Any]]) -> str:
 
 
 def speed(row: dict[str, Any]) -> float | None:
-    """samples/s per GPU: at one update pass per rollout where the row has it (PPO), else per step."""
-    return per_gpu(row)
+    """The measured step rate: samples/s per rank over whole steps (each framework's own update passes)."""
+    rate = row.get("samples_per_s_step")
+    return rate / (row.get("nproc") or 1) if rate else None
 
 
-def cell_speed(runs: list[dict[str, Any]]) -> tuple[Stat, str]:
-    """The cell's speed and where its interval comes from: its repeats (n >= 3), else one run's per-step
-    times (>= 3 timed steps: the speed at its slowest and fastest step), else none."""
-    over_runs = stat([speed(r) for r in runs])
-    if over_runs.n >= MIN_REPEATS:
-        return over_runs, "repeats"
-    best = max(runs, key=lambda r: r.get("timed_steps") or 0)
-    if (best.get("timed_steps") or 0) >= MIN_REPEATS and best.get("step_time_min_s"):
-        centre = speed(best)  # the run's speed at its median step, scaled to its slowest and fastest step
-        low = centre * best["step_time_median_s"] / best["step_time_max_s"]
-        high = centre * best["step_time_median_s"] / best["step_time_min_s"]
-        return Stat(centre, high - low, 1, low, high), "steps"
-    return over_runs, ""
+def cell_speed(runs: list[dict[str, Any]]) -> tuple[Stat, bool]:
+    """The cell's measured speed over its repeats, and whether it has the MIN_REPEATS runs a lead is judged by."""
+    measured = stat([speed(r) for r in runs])
+    return measured, measured.n >= MIN_REPEATS
 
 
 def _why_not(runs: list[dict[str, Any]], budget: float | None) -> str:
@@ -107,11 +107,23 @@ def _yardstick(rows: list[dict[str, Any]], budget: float | None) -> str | None:
     best = max(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median)
     measured, _ = cell_speed(best)
     return (f"yardstick ({YARDSTICK}, plain PyTorch; never a verdict): {_config_text(best)}: {measured.median:.3f} "
-            f"samples/s per GPU; peak {stat([r['peak_bytes'] for r in best]).median / MIB:,.0f} MiB "
+            f"samples/s per rank; peak {stat([r['peak_bytes'] for r in best]).median / MIB:,.0f} MiB "
             f"({len(best)} run(s))")
 
 
-def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]) -> Leaf:
+def _alike(run: dict[str, Any]) -> tuple[str, ...]:
+    return (run.get("measurement") or "", run.get("git_commit") or "", run.get("host_type") or "")
+
+
+def _unlike(candidates: list[Candidate]) -> str | None:
+    """Why the leaders' cells were not measured alike (settings, commit, host type), or None."""
+    names = ("measurement settings", "commit", "host type")
+    differ = [f"{name} ({' vs '.join(sorted({c.alike[i] or '?' for c in candidates}))})"
+              for i, name in enumerate(names) if len({c.alike[i] for c in candidates}) > 1]
+    return "; ".join(differ) or None
+
+
+def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str], mode: str = "full") -> Leaf:
     yardstick = _yardstick(rows, budget)
     rows = [r for r in rows if r["framework"] != YARDSTICK]
     frameworks = [f for f in frameworks if f != YARDSTICK]
@@ -121,41 +133,92 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
     unmeasured = [f for f in frameworks if not any(r["framework"] == f for r in rows)]
     if unmeasured:
         evidence.append(f"not measured in this branch: {', '.join(unmeasured)}")
+    refused = [r for r in rows if r.get("refused")]
+    if refused:
+        evidence.append(f"{len(refused)} run(s) left out: their cells mix provenance ("
+                        + "; ".join(sorted({r['mixed'] for r in refused})) + "); --allow-mixed-provenance counts them")
+        rows = [r for r in rows if not r.get("refused")]
+        if not rows:
+            return Leaf("no admissible evidence: every run in this branch is in a cell of mixed provenance", False,
+                        evidence)
+    set_aside = sorted({r["framework"] for r in refused} - {r["framework"] for r in rows})
+    unsupported = []
     for framework in sorted({r["framework"] for r in rows}):
         runs = [r for r in rows if r["framework"] == framework]
+        if all(r["status"] == "unsupported" for r in runs):
+            unsupported.append(framework)
+            reason = next((r["error"] for r in runs if r.get("error")), "no reason recorded").splitlines()[0][:160]
+            evidence.append(f"{framework}: cannot run this mode (unsupported: {reason}; {len(runs)} runs)")
+            continue
         fitting = [r for r in runs if _fits(r, budget)]
         if not fitting:
             evidence.append(f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)")
             continue
         best = max(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median)
-        measured, source = cell_speed(best)
+        measured, repeated = cell_speed(best)
         steps = sum(r.get("timed_steps") or 0 for r in best)
-        candidate = Candidate(framework, _config_text(best), measured, source,
-                              stat([r["peak_bytes"] for r in best]).median, len(best), steps)
+        one_pass = stat([per_gpu(r) for r in best])
+        trainable = stat([r.get("trainable_params") for r in best]).median
+        candidate = Candidate(framework, _config_text(best), measured, one_pass,
+                              stat([r["peak_bytes"] for r in best]).median, len(best), steps, trainable,
+                              _alike(best[0]))
         candidates.append(candidate)
-        interval = (f"[{measured.low:.3f}, {measured.high:.3f}] over {source}" if source
-                    else f"no interval: n={len(best)} < {MIN_REPEATS} repeats and {steps} < {MIN_REPEATS} timed steps")
-        evidence.append(f"{framework}: fastest fitting config {candidate.config}: {measured.median:.3f} samples/s per "
-                        f"GPU {interval}; peak {candidate.peak_bytes / MIB:,.0f} MiB; rests on {len(best)} run(s), "
-                        f"{steps} timed steps ({len(fitting)} of {len(runs)} runs fit and stayed stable)")
+        interval = (f"range [{measured.low:.3f}, {measured.high:.3f}] over {measured.n} repeats" if repeated
+                    else f"no interval: n={measured.n} < {MIN_REPEATS} repeats")
+        derived = (f"; derived at one update pass: {one_pass.median:.3f}" if one_pass.median
+                   and abs(one_pass.median - measured.median) > 1e-9 else "")
+        trained = f"; {trainable / 1e6:,.2f} M parameters train" if trainable else ""
+        evidence.append(f"{framework}: fastest fitting config {candidate.config}: measured {measured.median:.3f} "
+                        f"samples/s per rank, {interval}{derived}{trained}; peak {candidate.peak_bytes / MIB:,.0f} "
+                        f"MiB; {steps} timed steps ({len(fitting)} of {len(runs)} runs fit and stayed stable)")
+    runnable = [f for f in sorted({r["framework"] for r in rows}) if f not in unsupported]
+    if not runnable:
+        return Leaf(f"unsupported: no measured framework can run this mode ({', '.join(unsupported)})", True,
+                    evidence)
     if not candidates:
         return Leaf("no measured framework finishes, stays stable and fits", True, evidence)
     candidates.sort(key=lambda c: c.speed.median, reverse=True)
     first = candidates[0]
+    if len(runnable) == 1:
+        if set_aside:  # the others ran but their cells mix provenance: they may well run the mode
+            return Leaf(f"only {first.framework}'s evidence is admissible ({', '.join(set_aside)}: mixed "
+                        "provenance, left out): nothing to compare it with, no winner", False, evidence)
+        cannot = f" ({', '.join(unsupported)}: unsupported)" if unsupported else ""
+        return Leaf(f"only {first.framework} runs this mode{cannot}: nothing to compare it with, no winner", False,
+                    evidence)
     if len(candidates) == 1:
-        alone = "measured framework" if unmeasured else "framework"
-        return Leaf(f"{first.framework} (the only {alone} that fits and stays stable)", True, evidence)
+        return Leaf(f"{first.framework} (the only one of {', '.join(runnable)} that finishes, stays stable and fits)",
+                    True, evidence)
     second = candidates[1]
-    if not first.interval_from or not second.interval_from:
+    if min(first.speed.n, second.speed.n) < MIN_REPEATS:
         return Leaf(f"cannot call: {first.framework} leads {second.framework} but without {MIN_REPEATS} repeats "
-                    f"or {MIN_REPEATS} timed steps there is no interval to judge the lead by", False, evidence)
+                    "a side there is no range to judge the lead by", False, evidence)
+    unlike = _unlike([first, second])
+    if unlike:
+        return Leaf(f"cannot call: {first.framework} and {second.framework} were measured unlike: {unlike}", False,
+                    evidence)
+    if mode == "lora" and first.trainable and second.trainable and \
+            max(first.trainable, second.trainable) / min(first.trainable, second.trainable) > LIKE_WORK:
+        return Leaf(f"cannot call: not like work: {first.framework}'s LoRA trains {first.trainable / 1e6:,.2f} M "
+                    f"parameters, {second.framework}'s {second.trainable / 1e6:,.2f} M (more than "
+                    f"{LIKE_WORK:g}x apart)", False, evidence)
     lead = first.speed.median / second.speed.median
     if lead < CLOSE_CALL or overlap(first.speed, second.speed):
         return Leaf(f"too close to call: {first.framework} and {second.framework} within noise "
-                    f"(lead {100 * (lead - 1):.0f} %, needs >= {100 * (CLOSE_CALL - 1):.0f} % and intervals that do "
+                    f"(lead {100 * (lead - 1):.0f} %, needs >= {100 * (CLOSE_CALL - 1):.0f} % and ranges that do "
                     "not overlap)", False, evidence)
-    return Leaf(f"{first.framework} (fastest per GPU that fits; {100 * (lead - 1):.0f} % ahead of "
-                f"{second.framework}, intervals apart)", True, evidence)
+    return Leaf(f"{first.framework} (fastest measured step rate per rank that fits; {100 * (lead - 1):.0f} % ahead of "
+                f"{second.framework}, ranges apart over {MIN_REPEATS}+ repeats)", True, evidence)
+
+
+def hardware(rows: list[dict[str, Any]]) -> tuple[str, str]:
+    """(the evidence's hardware in words, what a rank is on it)."""
+    devices = sorted({r.get("device") or "?" for r in rows})
+    hosts = sorted({r.get("host_type") or "unknown host" for r in rows})
+    ranks = ("GPUs" if devices == ["cuda"] else "ranks on this CPU host (processes, not GPUs)" if devices == ["cpu"]
+             else "ranks (GPUs or CPU processes)")
+    memory = next((r.get("memory_method") for r in rows if r.get("memory_method")), "not recorded")
+    return f"device {', '.join(devices)} on {'; '.join(hosts)}; memory: {memory}", ranks
 
 
 def decision_stage(rows: list[dict[str, Any]]) -> str | None:
@@ -174,11 +237,13 @@ def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: 
     left_out = ("harness-extension cells counted (--include-harness-extensions)" if include_extensions else
                 f"{len(extensions)} harness-extension run(s) left out: knobs the frameworks' own scripts cannot run; "
                 "--include-harness-extensions counts them")
-    root = Node(f"Which model? (decided on the {stage} stage; memory budget: {budget}; {left_out}; speed: "
-                "samples/s per GPU at one update pass; forced-failure runs never count)")
+    where, ranks = hardware(rows)
+    root = Node(f"Evidence from {where}. Which model? (decided on the {stage} stage; memory budget: {budget}; "
+                f"{left_out}; speed: measured samples/s per rank over whole steps; forced-failure runs never count)",
+                ranks="GPU(s)" if ranks == "GPUs" else "rank(s)")
     for model in sorted({r["model"] for r in rows}):
         by_model = [r for r in rows if r["model"] == model]
-        ranks_node = Node("How many GPUs (ranks)?")
+        ranks_node = Node(f"How many {ranks}?")
         for nproc in sorted({r["nproc"] for r in by_model}):
             by_ranks = [r for r in by_model if r["nproc"] == nproc]
             precision_node = Node("Which precision?")
@@ -189,7 +254,7 @@ def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: 
                     chosen = [r for r in by_precision if r.get("finetune", "lora" if r["lora"] else "full") == mode]
                     if mode == "partial" and not chosen:
                         continue  # only shown where a framework trains part of the model
-                    tune_node.branches.append((answer, leaf(chosen, budget_bytes, frameworks)))
+                    tune_node.branches.append((answer, leaf(chosen, budget_bytes, frameworks, mode)))
                 precision_node.branches.append((precision, tune_node))
             ranks_node.branches.append((str(nproc), precision_node))
         root.branches.append((model, ranks_node))

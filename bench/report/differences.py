@@ -60,7 +60,8 @@ def differences_table(rows: Rows, cells: dict[str, dict[str, Any]]) -> Table:
     return Table("differences", "Where frameworks differ in memory",
                  "Pairs of frameworks at one configuration (cells that differ only in the framework and its "
                  "options; ok runs not tagged forced-failure). Growth: MiB over the post-import baseline, max over "
-                 "ranks and phases, median ± half the range (n). Where the growth intervals over repeats do not "
+                 "ranks and the phases after imports, median [range] CI (n). Where the growth ranges over repeats "
+                 "do not "
                  "overlap: the phase whose growth (max over ranks) differs most, and the breakdown term of that "
                  "phase (on the rank that peaks: params, optimizer, reward_fn, rest) that carries most of the "
                  "difference, with its size. In brackets: full, lora or partial (only some "

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report.aggregate import Stat, overlap, stat
+from bench.report.aggregate import MIN_REPEATS, Stat, overlap, stat
 from bench.results.collect import is_forced_failure
 
 Row = dict[str, Any]
@@ -45,8 +45,9 @@ class MatchedSet:
 
 
 def evidence_rows(rows: list[Row]) -> list[Row]:
-    """Rows a claim may use: finished (ok), not tagged forced-failure."""
-    return [r for r in rows if r["status"] == "ok" and not is_forced_failure(r)]
+    """Rows a claim may use: finished (ok), not tagged forced-failure, not of a cell whose runs differ in
+    provenance (commit, dirty tree, host type, versions, measurement settings) unless the report allows it."""
+    return [r for r in rows if r["status"] == "ok" and not is_forced_failure(r) and not r.get("refused")]
 
 
 def matched_sets(rows: list[Row], cells: Cells, knob: str, stage: str | None = None) -> list[MatchedSet]:
@@ -73,7 +74,22 @@ def tied(a: Stat, b: Stat) -> bool:
     return a.median is None or b.median is None or overlap(a, b)
 
 
+FEW, TIE_, HIGHER, LOWER = "few", "tie", "higher", "lower"
+
+
+def compare(a: Stat, b: Stat) -> str:
+    """How `a` stands against `b`: "few" where either side has fewer than MIN_REPEATS runs (no spread to judge
+    by), "tie" where their ranges touch, else "higher" or "lower" (beyond the spread)."""
+    if a.median is None or b.median is None or min(a.n, b.n) < MIN_REPEATS:
+        return FEW
+    if overlap(a, b):
+        return TIE_
+    return HIGHER if a.median > b.median else LOWER
+
+
 def describe(matched: MatchedSet, column: str, scale: float = 1.0, unit: str = "", digits: int = 1) -> str:
+    """The set's shared configuration and each value's figure with its range, CI and n (n=1 said too)."""
     stats = matched.stats(column)
-    parts = ", ".join(f"{matched.knob}={v}: {s.fmt(scale, digits)}{unit}" for v, s in stats.items())
+    parts = ", ".join(f"{matched.knob}={v}: {s.fmt(scale, digits)}{unit}" + (" (n=1)" if s.n == 1 else "")
+                      for v, s in stats.items())
     return f"[{matched.fixed}] {parts}"

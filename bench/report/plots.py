@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import textwrap
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,17 +18,18 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on a cluster node or in CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
-from bench.report.aggregate import per_gpu, stat  # noqa: E402
+from bench.report.aggregate import stat  # noqa: E402
 from bench.report.pairs import KNOBS  # noqa: E402
-from bench.results.collect import BREAKDOWN_TERMS, FORCED_FAILURE, is_forced_failure, tags_of  # noqa: E402
+from bench.results.collect import BREAKDOWN_TERMS, is_forced_failure  # noqa: E402
 from bench.results.record import PHASE_ORDER, SETUP_PHASES  # noqa: E402
 
 MIB = 1024.0 * 1024.0
 Rows = list[dict[str, Any]]
 Cells = dict[str, dict[str, Any]]
 KNOB_LABEL = {"zero": "ZeRO stage", "lora": "LoRA rank (0 = full fine-tuning)", "batch": "micro-batch per rank",
-              "nproc": "ranks (GPUs)"}
+              "nproc": "ranks (GPUs, or processes on a CPU host)"}
 CONFIG_KEY = {"nproc": "launcher.nproc", "batch": "batch"}
 TERM_LABEL = {"process_start": "process start (torch, transformers)",
               "runtime": "engine runtime (its imports, JIT ops, process groups)", "params": "parameters",
@@ -44,40 +46,63 @@ class Figure:
 def _save(fig: Any, directory: str, name: str) -> str:
     path = os.path.join(directory, f"{name}.png")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")  # titles and outside legends are kept whole, never cropped
     plt.close(fig)
     return path
 
 
 def trained(rows: Rows) -> Rows:
-    """Finished runs that are evidence: ok and not forced to fail."""
-    return [r for r in rows if r["status"] == "ok" and not is_forced_failure(r)]
+    """Finished runs that are evidence: ok, not forced to fail, not of a cell of mixed provenance."""
+    return [r for r in rows if r["status"] == "ok" and not is_forced_failure(r) and not r.get("refused")]
 
 
 def _free(knob: str):
+    """Cell keys a panel lets vary: the knob's and the framework's own (each framework's options)."""
     config_key = CONFIG_KEY.get(knob, knob)
-    return KNOBS.get(knob, lambda key: key == config_key)
+    knob_free = KNOBS.get(knob, lambda key: key == config_key)
+    return lambda key: knob_free(key) or KNOBS["framework"](key)
 
 
-def _slice(rows: Rows, cells: Cells, knob: str, value: str, framework: str
-           ) -> tuple[str, list[Any], list[Any]]:
-    """One framework's line against `knob`: of the sets of cells that differ only in `knob`, the one with the
-    most knob values (ties: the most runs). Returns (its label, knob values, Stat of `value` per knob value)."""
+@dataclass
+class Panel:
+    """One configuration's cells that differ only in the framework and `knob`: every bar or point of a panel
+    is one cell, and the panel's title says what is fixed."""
+    fixed: str                                  # the shared configuration, in words
+    stats: dict[str, dict[Any, Any]]            # framework -> knob value -> Stat of the plotted column
+    missing: dict[tuple[str, Any], str]         # (framework, value) measured but not plotted -> its status
+
+
+def _panel(rows: Rows, all_rows: Rows, cells: Cells, knob: str, column: str) -> Panel | None:
+    """Of the configurations whose cells differ only in the framework and `knob`, the one that covers the most
+    (framework, knob value) pairs (ties: the most runs); None unless the knob takes two values in it."""
     free = _free(knob)
-    slices: dict[str, Rows] = {}
+
+    def key_of(row: dict[str, Any]) -> str:
+        return json.dumps({k: v for k, v in cells[row["cell"]].items() if not free(k)}, sort_keys=True, default=str)
+
+    groups: dict[str, Rows] = {}
     for row in rows:
-        if row["framework"] == framework and row.get(value) is not None:
-            key = json.dumps({k: v for k, v in cells[row["cell"]].items() if not free(k)}, sort_keys=True,
-                             default=str)
-            slices.setdefault(key, []).append(row)
-    if not slices:
-        return framework, [], []
-    chosen = max(slices.values(), key=lambda runs: (len({r[knob] for r in runs}), len(runs)))
+        if row.get(column) is not None:
+            groups.setdefault(key_of(row), []).append(row)
+    if not groups:
+        return None
+    chosen = max(groups.values(), key=lambda runs: (len({(r["framework"], r[knob]) for r in runs}), len(runs)))
+    if len({r[knob] for r in chosen}) < 2:
+        return None
+    stats: dict[str, dict[Any, Any]] = {}
+    for framework in sorted({r["framework"] for r in chosen}):
+        mine = [r for r in chosen if r["framework"] == framework]
+        stats[framework] = {x: stat([r[column] for r in mine if r[knob] == x]) for x in sorted({r[knob] for r in mine})}
+    key = key_of(chosen[0])
+    missing = {}
+    for row in all_rows:
+        known = stats.get(row["framework"], {})
+        if row["stage"] == chosen[0]["stage"] and key_of(row) == key and row[knob] not in known:
+            missing[(row["framework"], row[knob])] = "mixed provenance" if row.get("refused") else row["status"]
     first = chosen[0]
-    shown = {k: first.get(k) for k in ("precision", "zero", "lora", "batch", "nproc") if k != knob}
-    label = f"{framework} ({' '.join(f'{k}={v}' for k, v in shown.items())})"
-    xs = sorted({r[knob] for r in chosen})
-    return label, xs, [stat([r[value] for r in chosen if r[knob] == x]) for x in xs]
+    shown = " ".join(f"{k}={first.get(k)}" for k in ("model", "precision", "zero", "lora", "batch", "nproc")
+                     if k != knob)
+    return Panel(shown, stats, missing)
 
 
 def _error(stats: list[Any], scale: float) -> list[list[float]]:
@@ -88,78 +113,105 @@ def _stages(rows: Rows) -> list[str]:
     return [s for s in ("sft", "rm", "ppo") if any(r["stage"] == s for r in rows)]
 
 
+def _title(ax: Any, text: str) -> None:
+    ax.set_title(textwrap.fill(text, 48), fontsize=8)
+
+
+def _bars(ax: Any, panel: Panel, scale: float) -> None:
+    """One bar per cell (median, whisker min to max, n above it); a cell that ran but did not finish is named."""
+    values = sorted({x for by in panel.stats.values() for x in by} | {x for _, x in panel.missing}, key=str)
+    frameworks = sorted(set(panel.stats) | {f for f, _ in panel.missing})
+    width = 0.8 / max(len(frameworks), 1)
+    top = max((s.high / scale for by in panel.stats.values() for s in by.values()), default=1.0)
+    for i, framework in enumerate(frameworks):
+        by = panel.stats.get(framework, {})
+        xs = [values.index(x) + i * width for x in by]
+        ax.bar(xs, [s.median / scale for s in by.values()], width, color=f"C{i}", label=framework,
+               yerr=_error(list(by.values()), scale), capsize=3)
+        for x, s in zip(xs, by.values(), strict=True):
+            ax.text(x, s.high / scale + 0.01 * top, f"n={s.n}", ha="center", va="bottom", fontsize=6)
+        for (f, value), status in panel.missing.items():
+            if f == framework:
+                ax.text(values.index(value) + i * width, 0.02 * top, status, rotation=90, ha="center", va="bottom",
+                        fontsize=6, color=f"C{i}")
+    ax.set_xticks([j + width * (len(frameworks) - 1) / 2 for j in range(len(values))], [str(v) for v in values])
+    ax.set_ylim(bottom=0, top=top * 1.25)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+
+
 def memory_by(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figure]:
-    """Growth over the post-import baseline (MiB, max over ranks and phases) against `knob`, bars from 0."""
+    """Growth over the post-import baseline (MiB, max over ranks and the phases after imports) against `knob`,
+    one cell per bar, bars from 0."""
     ok = [r for r in trained(rows) if r.get("growth_bytes") is not None]
-    stages = [s for s in _stages(ok) if len({r[knob] for r in ok if r["stage"] == s}) > 1]  # a knob that moved
-    if not stages:
+    panels = {s: p for s in _stages(ok) if (p := _panel([r for r in ok if r["stage"] == s], rows, cells, knob,
+                                                         "growth_bytes"))}
+    if not panels:
         return []
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.6 * len(stages), 3.8), squeeze=False)
-    for ax, stage in zip(axes[0], stages, strict=True):
-        rows_s = [r for r in ok if r["stage"] == stage]
-        frameworks = sorted({r["framework"] for r in rows_s})
-        values = sorted({r[knob] for r in rows_s})
-        width = 0.8 / max(len(frameworks), 1)
-        for i, framework in enumerate(frameworks):
-            label, xs, stats = _slice(rows_s, cells, knob, "growth_bytes", framework)
-            ax.bar([values.index(x) + i * width for x in xs], [s.median / MIB for s in stats], width, label=label,
-                   yerr=_error(stats, MIB), capsize=3)
-        ax.set_xticks([j + width * (len(frameworks) - 1) / 2 for j in range(len(values))], [str(v) for v in values])
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
+    for ax, (stage, panel) in zip(axes[0], panels.items(), strict=True):
+        _bars(ax, panel, MIB)
         ax.set_xlabel(KNOB_LABEL[knob])
-        ax.set_ylabel("growth over post-import baseline, MiB\n(max over ranks and phases)", fontsize=8)
-        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * (1.0 + 0.12 * len(frameworks)))  # room for the legend
-        ax.set_title(stage)
-        ax.legend(fontsize=7, loc="upper left")
+        ax.set_ylabel("growth over post-import baseline, MiB\n(max over ranks and phases after imports)", fontsize=8)
+        _title(ax, f"{stage}: {panel.fixed}")
     return [Figure(_save(fig, directory, f"memory_by_{knob}"),
                    f"Memory growth against {KNOB_LABEL[knob]}, per stage: MiB over each rank's post-import baseline, "
-                   "max over ranks and phases, host RSS on a CPU / device memory on a GPU; bar = median over the "
-                   "cell's repeats, whisker = min to max. Each framework's bars hold every other cell key fixed (the "
-                   "legend names the main ones).")]
+                   "max over ranks and the phases after imports, host RSS on a CPU / device memory on a GPU. Each bar "
+                   "is one cell (the panel's title names the configuration they share; only the framework and the "
+                   "knob differ): its median over the cell's repeats, whisker = min to max, n above it. A cell that "
+                   "ran but did not finish is named by its status at the bar's place.")]
+
+
+def _measured_rate(row: dict[str, Any]) -> float | None:
+    rate = row.get("samples_per_s_step")
+    return rate / (row.get("nproc") or 1) if rate else None
+
+
+def _lines(ax: Any, panel: Panel, scale: float) -> None:
+    for i, (framework, by) in enumerate(panel.stats.items()):
+        n = sorted({s.n for s in by.values()})
+        ax.errorbar(list(by), [s.median / scale for s in by.values()], yerr=_error(list(by.values()), scale),
+                    marker="o", capsize=3, color=f"C{i}", label=f"{framework} (n={'/'.join(map(str, n))} a point)")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
 def throughput_vs(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figure]:
-    ok = [dict(r, samples_per_s_per_gpu=per_gpu(r)) for r in trained(rows) if per_gpu(r) is not None]
-    stages = _stages(ok)
-    if not stages or len({r[knob] for r in ok}) < 2:
+    ok = [dict(r, samples_per_s_per_rank=_measured_rate(r)) for r in trained(rows) if _measured_rate(r)]
+    panels = {s: p for s in _stages(ok) if (p := _panel([r for r in ok if r["stage"] == s], rows, cells, knob,
+                                                         "samples_per_s_per_rank"))}
+    if not panels:
         return []
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.6 * len(stages), 3.6), squeeze=False)
-    for ax, stage in zip(axes[0], stages, strict=True):
-        rows_s = [r for r in ok if r["stage"] == stage]
-        for framework in sorted({r["framework"] for r in rows_s}):
-            label, xs, stats = _slice(rows_s, cells, knob, "samples_per_s_per_gpu", framework)
-            ax.errorbar(xs, [s.median for s in stats], yerr=_error(stats, 1.0), marker="o", capsize=3, label=label)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    for ax, (stage, panel) in zip(axes[0], panels.items(), strict=True):
+        _lines(ax, panel, 1.0)
         ax.set_xlabel(KNOB_LABEL[knob])
-        ax.set_ylabel("samples/s per GPU (one update pass)")
-        ax.set_ylim(bottom=0)
-        ax.set_title(stage)
-        ax.legend(fontsize=7)
+        ax.set_ylabel("samples/s per rank (measured, whole steps)", fontsize=8)
+        _title(ax, f"{stage}: {panel.fixed}")
     return [Figure(_save(fig, directory, f"throughput_vs_{knob}"),
-                   f"Throughput against {KNOB_LABEL[knob]}: samples/s per GPU (global samples per step / step time / "
-                   "ranks; PPO at one update pass per rollout), warm-up steps excluded; point = median over repeats, "
-                   "bar = min to max. A line holds every other cell key fixed.")]
+                   f"Throughput against {KNOB_LABEL[knob]}: measured samples/s per rank (global samples per step / "
+                   "step time / ranks, each framework's own update passes), warm-up steps excluded; point = one "
+                   "cell's median over its repeats, bar = min to max, n in the legend. The cells of a panel share "
+                   "the configuration in its title; only the framework and the knob differ.")]
 
 
 def memory_vs_ranks(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
     ok = [r for r in trained(rows) if r.get("growth_bytes") is not None]
-    stages = _stages(ok)
-    if not stages or len({r["nproc"] for r in ok}) < 2:
+    panels = {s: p for s in _stages(ok) if (p := _panel([r for r in ok if r["stage"] == s], rows, cells, "nproc",
+                                                         "growth_bytes"))}
+    if not panels:
         return []
-    fig, axes = plt.subplots(1, len(stages), figsize=(4.6 * len(stages), 3.6), squeeze=False)
-    for ax, stage in zip(axes[0], stages, strict=True):
-        rows_s = [r for r in ok if r["stage"] == stage]
-        for framework in sorted({r["framework"] for r in rows_s}):
-            label, xs, stats = _slice(rows_s, cells, "nproc", "growth_bytes", framework)
-            ax.errorbar(xs, [s.median / MIB for s in stats], yerr=_error(stats, MIB), marker="o", capsize=3,
-                        label=label)
-        ax.set_xlabel("ranks (GPUs)")
+    fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.6), squeeze=False)
+    for ax, (stage, panel) in zip(axes[0], panels.items(), strict=True):
+        _lines(ax, panel, MIB)
+        ax.set_xticks(sorted({x for by in panel.stats.values() for x in by}))
+        ax.set_xlabel(KNOB_LABEL["nproc"])
         ax.set_ylabel("growth over baseline, MiB (max over ranks)", fontsize=8)
-        ax.set_ylim(bottom=0)
-        ax.set_title(stage)
-        ax.legend(fontsize=7)
+        _title(ax, f"{stage}: {panel.fixed}")
     return [Figure(_save(fig, directory, "memory_vs_ranks"),
                    "Memory growth against the number of ranks: MiB over the post-import baseline of the rank that "
-                   "peaks (max over ranks and phases); with ZeRO > 0 the per-rank share of the model state falls as "
-                   "ranks grow; median over repeats, bar = min to max.")]
+                   "peaks (max over ranks and the phases after imports); with ZeRO > 0 the per-rank share of the "
+                   "model state falls as ranks grow; point = one cell's median over its repeats, bar = min to max, "
+                   "n in the legend; only the framework and the rank count differ within a panel.")]
 
 
 def _shared_configuration(rows: Rows, cells: Cells) -> tuple[tuple, Rows]:
@@ -202,11 +254,11 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
                     ax.bar(x, value / MIB, bottom=bottom, color=f"C{k}", label=label)
                     bottom += value / MIB
                 positions.append(x)
-                labels.append(f"{framework}\n{phase}")
+                labels.append(f"{framework}\n{phase}\nn={len(runs)}")
         ax.set_xticks(positions, labels, fontsize=7)
-        ax.set_ylabel("peak MiB of the rank that peaks (median over repeats)", fontsize=8)
-        ax.set_title(f"{stage}: model={config[0]} {config[1]} zero={config[2]} lora={config[3]} batch={config[4]} "
-                     f"x{config[5]} ranks", fontsize=9)
+        ax.set_ylabel("peak MiB of the rank that peaks\n(median over the cell's n runs)", fontsize=8)
+        _title(ax, f"{stage}: model={config[0]} {config[1]} zero={config[2]} lora={config[3]} batch={config[4]} "
+                   f"x{config[5]} ranks")
         ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
         figures.append(Figure(_save(fig, directory, f"memory_breakdown_{stage}"),
                               f"Where {stage}'s memory goes, per framework and phase: the phase's peak (MiB, the rank "
@@ -244,39 +296,51 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     ax.set_xlabel(f"PPO steps (grey lines), each split into its phases: {', '.join(phases)}")
     ax.set_ylabel("phase peak MiB (max over ranks)", fontsize=8)
     ax.set_ylim(bottom=0)
-    ax.set_title(f"model={config[0]} {config[1]} zero={config[2]} lora={config[3]} batch={config[4]} x{config[5]} "
-                 "ranks", fontsize=9)
-    ax.legend(fontsize=7)
+    _title(ax, f"model={config[0]} {config[1]} zero={config[2]} lora={config[3]} batch={config[4]} x{config[5]} "
+               "ranks (one run, seed-ordered first, per framework)")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return [Figure(_save(fig, directory, "ppo_memory_timeline"),
                    "PPO memory over time, one run per framework at one shared configuration: each step's phases in "
                    "the same slots for every framework, so a phase compares across frameworks; value = the phase's "
                    "absolute peak (MiB, max over ranks), y from 0.")]
 
 
-def _short_labels(runs: list[str]) -> dict[str, str]:
-    """Each run's name (its overrides, comma-separated) without the overrides every run of the panel shares."""
-    parts = {run: run.split(",") for run in runs}
-    common = set.intersection(*(set(p) for p in parts.values())) if len(runs) > 1 else set()
-    return {run: ",".join(p for p in parts[run] if p not in common) or run for run in runs}
+Curves = dict[str, dict[str, list[list[float]]]]  # panel title -> cell label -> one curve per run
 
 
-def _curve_panels(panels: dict[str, list[tuple[str, list[float]]]], ylabel: str, xlabel: str, directory: str,
-                  name: str) -> str:
-    """One panel per key; a line per run; a red x at the top for each non-finite step of a run."""
-    fig, axes = plt.subplots(1, len(panels), figsize=(5.0 * len(panels), 4.2), squeeze=False)
-    for ax, (title, lines) in zip(axes[0], panels.items(), strict=True):
-        labels = _short_labels([run for run, _ in lines])
-        for run, curve in lines:
-            (line,) = ax.plot(range(len(curve)), curve, marker=".", linewidth=1, alpha=0.85, label=labels[run])
-            bad = [i for i, v in enumerate(curve) if not math.isfinite(v)]
+def _cell_labels(cells: Cells, ids: list[str]) -> dict[str, str]:
+    """Each cell by the keys in which it differs from the panel's other cells (its id where none do)."""
+    keys = sorted({k for c in ids for k in cells[c]} - {"stage_row"})
+    differing = [k for k in keys if len({json.dumps(cells[c].get(k), default=str) for c in ids}) > 1]
+    return {c: " ".join(f"{k.split('.')[-1]}={cells[c].get(k)}" for k in differing) or c for c in ids}
+
+
+def _curve_panels(panels: Curves, ylabel: str, xlabel: str, directory: str, name: str) -> str:
+    """One panel per key; per cell a line at the median over its runs with the min-max band, labelled by what
+    sets the cell apart and its n; a red x at the top for each step where a run went non-finite."""
+    columns = min(3, len(panels))
+    grid = math.ceil(len(panels) / columns)
+    fig, axes = plt.subplots(grid, columns, figsize=(6.0 * columns, 5.2 * grid), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (title, by_cell) in zip(axes.flat, panels.items(), strict=False):  # spare axes hidden above
+        for i, (label, curves) in enumerate(sorted(by_cell.items())):
+            steps = min(len(c) for c in curves)
+            at = [[c[t] for c in curves if math.isfinite(c[t])] for t in range(steps)]
+            middle = [stat(v).median if v else float("nan") for v in at]
+            color = f"C{i % 10}"
+            ax.plot(range(steps), middle, marker=".", linewidth=1, color=color, label=f"{label} (n={len(curves)})")
+            if len(curves) > 1:
+                ax.fill_between(range(steps), [min(v) if v else math.nan for v in at],
+                                [max(v) if v else math.nan for v in at], color=color, alpha=0.15)
+            bad = sorted({t for c in curves for t in range(steps) if not math.isfinite(c[t])})
             if bad:
                 ax.plot(bad, [1.0] * len(bad), "x", color="red", transform=ax.get_xaxis_transform(), clip_on=False)
-                line.set_label(f"{labels[run]} (non-finite from step {bad[0]})")
-        ax.set_title(title)
+        _title(ax, title)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
-        if len(lines) <= 12:
-            ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+        ax.legend(fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=1)
     return _save(fig, directory, name)
 
 
@@ -284,41 +348,48 @@ def _finite_or_nan(values: list[Any]) -> list[float]:
     return [float(v) if isinstance(v, (int, float)) else float("nan") for v in values]
 
 
-def _evidence(records: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    return {run: r for run, r in sorted(records.items()) if FORCED_FAILURE not in tags_of(r["config"])}
+def _curves(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, stages: tuple[str, ...], curve_key: str,
+            what: str) -> Curves:
+    """Per framework and stage, each cell's curves (one per run) of `curve_key` from the finished runs that are
+    evidence."""
+    by_panel: dict[str, dict[str, list[list[float]]]] = {}
+    for row in trained(rows):
+        if row["stage"] not in stages:
+            continue
+        curve = _finite_or_nan((records[row["run"]]["stages"][row["stage"]].get("learning") or {}).get(curve_key)
+                               or [])
+        if len(curve) > 1:
+            title = f"{row['framework']} {row['stage']} {what}"
+            by_panel.setdefault(title, {}).setdefault(row["cell"], []).append(curve)
+    out: Curves = {}
+    for title, by_cell in sorted(by_panel.items()):
+        labels = _cell_labels(cells, list(by_cell))
+        out[title] = {labels[c]: curves for c, curves in by_cell.items()}
+    return out
 
 
-def loss_curves(records: dict[str, dict[str, Any]], directory: str) -> list[Figure]:
-    """SFT and RM training loss per step of every run that trained (forced failures left out)."""
-    panels: dict[str, list[tuple[str, list[float]]]] = {}
-    for run, record in _evidence(records).items():
-        for stage in ("sft", "rm"):
-            result = record["stages"].get(stage) or {}
-            curve = _finite_or_nan((result.get("learning") or {}).get("loss_curve") or [])
-            if len(curve) > 1 and result.get("status") == "ok":
-                panels.setdefault(f"{record['config']['framework']['name']} {stage} loss", []).append((run, curve))
+def loss_curves(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str) -> list[Figure]:
+    """SFT and RM training loss per step, per cell (median over its runs), forced failures left out."""
+    panels = _curves(rows, records, cells, ("sft", "rm"), "loss_curve", "loss")
     if not panels:
         return []
     return [Figure(_curve_panels(panels, "loss (mean over ranks)", "step", directory, "loss_curves"),
-                   "SFT and RM training loss per step (mean over ranks), one line per finished run, one panel per "
-                   "framework and stage; legends name what differs between the panel's runs. Runs tagged "
-                   "forced-failure are left out (the stability table shows them).")]
+                   "SFT and RM training loss per step (mean over ranks), one panel per framework and stage; per cell "
+                   "a line at the median over its runs, the band from min to max, the legend naming what sets the "
+                   "cell apart in its panel and its n. Runs tagged forced-failure and cells of mixed provenance "
+                   "are left out (the stability table shows the failures).")]
 
 
-def reward_curves(records: dict[str, dict[str, Any]], directory: str) -> list[Figure]:
-    """PPO reward (RM score) per step of every run that trained, one panel per framework."""
-    panels: dict[str, list[tuple[str, list[float]]]] = {}
-    for run, record in _evidence(records).items():
-        result = record["stages"].get("ppo") or {}
-        curve = _finite_or_nan((result.get("learning") or {}).get("reward_curve") or [])
-        if len(curve) > 1 and result.get("status") == "ok":
-            panels.setdefault(f"{record['config']['framework']['name']} PPO reward", []).append((run, curve))
+def reward_curves(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str) -> list[Figure]:
+    """PPO reward (RM score) per step, per cell (median over its runs), one panel per framework."""
+    panels = _curves(rows, records, cells, ("ppo",), "reward_curve", "reward")
     if not panels:
         return []
     return [Figure(_curve_panels(panels, "reward (RM score, mean over ranks)", "PPO step", directory,
                                  "reward_curves"),
-                   "PPO reward (the RM's score of each rollout, mean over ranks) per step, one line per finished "
-                   "run; forced failures left out.")]
+                   "PPO reward (the RM's score of each rollout, mean over ranks) per step, one panel per framework; "
+                   "per cell a line at the median over its runs, the band from min to max, the legend naming what "
+                   "sets the cell apart and its n; forced failures and cells of mixed provenance left out.")]
 
 
 def all_plots(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str) -> list[Figure]:
@@ -326,5 +397,5 @@ def all_plots(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, dire
     return (memory_breakdown(rows, cells, directory) + memory_by(rows, cells, directory, "zero")
             + memory_by(rows, cells, directory, "lora") + memory_vs_ranks(rows, cells, directory)
             + throughput_vs(rows, cells, directory, "batch") + throughput_vs(rows, cells, directory, "nproc")
-            + ppo_memory_timeline(rows, records, cells, directory) + loss_curves(records, directory)
-            + reward_curves(records, directory))
+            + ppo_memory_timeline(rows, records, cells, directory) + loss_curves(rows, records, cells, directory)
+            + reward_curves(rows, records, cells, directory))

@@ -1,4 +1,5 @@
-"""The memory model against the measurements: predicted and measured growth per framework, stage and phase."""
+"""The memory model against the measurements: predicted and measured growth per framework, split by how far
+each figure is from what the calibration was fitted on, the out-of-sample splits first."""
 
 from __future__ import annotations
 
@@ -7,11 +8,19 @@ from typing import Any
 
 from adapters import registry
 from bench.plan import calibration
-from bench.plan.accuracy import Accuracy, comparisons, fitted
+from bench.plan.accuracy import SPLITS, Accuracy, Comparison, comparisons, in_selection
+from bench.plan.calibrate import splits
 from bench.report.tables import Table
 
 MIB = 2.0 ** 20
 TOLERANCE = 0.15
+
+
+def _accuracy_row(framework: str, split: str, members: list[Comparison]) -> list[str]:
+    acc = Accuracy.of(members, TOLERANCE)
+    worst = acc.worst
+    return [framework, split, str(acc.runs), f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
+            f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.label})", f"{acc.within}/{acc.runs}"]
 
 
 def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
@@ -19,35 +28,48 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
     if not rows:
         return []
     cals = {f: calibration.load(registry.package(f)) for f in {r.framework for r in rows}}
-    groups: dict[tuple[str, str, str, bool], list] = {}
-    for r in rows:
-        groups.setdefault((r.framework, r.stage, r.phase, fitted(r, records, cals)), []).append(r)
-    body = []
-    for (framework, stage, phase, was_fitted), members in sorted(groups.items()):
-        acc = Accuracy.of(members, TOLERANCE)
-        worst = acc.worst
-        body.append([framework, stage, phase, "fitted" if was_fitted else "held out", str(acc.runs),
-                     f"{statistics.median(m.measured for m in members) / MIB:,.0f}",
-                     f"{statistics.median(m.predicted for m in members) / MIB:,.0f}",
-                     f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}", f"{worst.error:+.1%} ({worst.label})",
-                     f"{acc.within}/{acc.runs}"])
-    overall = Accuracy.of(rows, TOLERANCE)
-    unfitted = [r for r in rows if not fitted(r, records, cals)]
-    per_model = "; ".join(
-        f"{model}: {acc.runs} figures, MAE {acc.mae:.1%}, worst {acc.worst.error:+.1%}, {acc.within} within"
-        for model in sorted({r.model for r in unfitted})
-        if (acc := Accuracy.of([r for r in unfitted if r.model == model], TOLERANCE)) is not None)
+    by_split: dict[str, dict[str, list[Comparison]]] = {}
+    for framework in sorted({r.framework for r in rows}):
+        cal = cals[framework]
+        mine = [r for r in rows if r.framework == framework]
+        if cal is None:
+            by_split[framework] = {"no calibration": mine}
+            continue
+        chosen = {r.run for r in mine if in_selection(records[r.run].get("config") or {},
+                                                      cal.fitted_on.get("selection") or {})}
+        by_split[framework] = splits(mine, cal, chosen, framework, cal.device)
+    summary, detail = [], []
+    for split in (*SPLITS, "no calibration"):
+        for framework, parts in by_split.items():
+            if split in parts:
+                summary.append(_accuracy_row(framework, split, parts[split]))
+    for framework, parts in by_split.items():
+        for split, members in parts.items():
+            groups: dict[tuple[str, str], list[Comparison]] = {}
+            for m in members:
+                groups.setdefault((m.stage, m.phase), []).append(m)
+            for (stage, phase), group in sorted(groups.items()):
+                acc = Accuracy.of(group, TOLERANCE)
+                detail.append([framework, split, stage, phase, str(acc.runs),
+                               f"{statistics.median(m.measured for m in group) / MIB:,.0f}",
+                               f"{statistics.median(m.predicted for m in group) / MIB:,.0f}",
+                               f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
+                               f"{acc.worst.error:+.1%} ({acc.worst.label})", f"{acc.within}/{acc.runs}"])
     sources = "; ".join(f"{f}: {c.fitted_on.get('source')} where {c.fitted_on.get('selection')} "
                         f"({c.fitted_on.get('runs')} runs)" for f, c in sorted(cals.items()) if c)
-    caption = ("Growth over the post-import baseline on the busiest rank, MiB: measured, and predicted by each "
-               "framework's memory model (adapters/<framework>/memory.py, physics) plus its calibration offset "
-               "(adapters/<framework>/memory_calibration.json); the current model applied to every record's "
-               "configuration (a record's own memory.prediction keeps what was predicted when it ran). MAE = mean "
-               f"|predicted - measured| / measured, before (physics) and after calibration; within = runs within "
-               f"{TOLERANCE:.0%}. 'fitted' rows are the runs the calibration was fitted on, 'held out' the others. "
-               f"Calibration fitted on: {sources or 'none'}. Over all {overall.runs} phase figures: MAE "
-               f"{overall.mae:.1%} calibrated ({overall.mae_physics:.1%} physics), {overall.within} within "
-               f"{TOLERANCE:.0%}, worst {overall.worst.error:+.1%}. Held out, per model: {per_model}.")
-    return [Table("prediction", "Memory model: predicted vs measured, per phase", caption,
-                  ["framework", "stage", "phase", "calibration", "runs", "measured MiB", "predicted MiB",
-                   "MAE physics", "MAE calibrated", "worst (its run)", "within"], body)]
+    method = ("Growth over the post-import baseline on the busiest rank, MiB: measured, and predicted by each "
+              "framework's memory model (adapters/<framework>/memory.py, physics) plus its calibration offset "
+              "(adapters/<framework>/memory_calibration.json), the current model applied to every record's "
+              "configuration. MAE = mean |predicted - measured| / measured, before (physics) and after calibration; "
+              f"within = figures within {TOLERANCE:.0%}. Splits, most out-of-sample first: leave one configuration "
+              "out (each fitted configuration predicted by a calibration fitted without it), other model (a model "
+              "the fit never saw), same configuration at other seeds (the fitted code path again: close to "
+              "in-sample), configuration not fitted, and fitted (the runs the calibration was fitted on). "
+              f"Calibration fitted on: {sources or 'none'}.")
+    return [Table("prediction_accuracy", "Memory model accuracy, out of sample first", method,
+                  ["framework", "split", "figures", "MAE physics", "MAE calibrated", "worst (its run)", "within"],
+                  summary),
+            Table("prediction", "Memory model: predicted vs measured, per phase and split",
+                  "The accuracy table's figures per stage and phase (same method and splits).",
+                  ["framework", "split", "stage", "phase", "figures", "measured MiB", "predicted MiB", "MAE physics",
+                   "MAE calibrated", "worst (its run)", "within"], detail)]

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report.claims import Verdict
+from bench.report.claims import UNITS, VERDICT_RULE, Verdict
 from bench.report.decision import Leaf, Node, questions
 from bench.report.plots import Figure
 from bench.report.tables import Table
@@ -24,6 +24,7 @@ class Report:
     claims: list[Verdict]
     caveat: str
     generated_utc: str
+    environment: list[Table]  # shown first, before any figure
 
 
 def _summary(report: Report) -> list[str]:
@@ -31,21 +32,28 @@ def _summary(report: Report) -> list[str]:
     statuses: dict[str, int] = {}
     for record in c.records.values():
         statuses[record["status"]] = statuses.get(record["status"], 0) + 1
-    first = next(iter(c.records.values()), {})
-    env = first.get("environment") or {}
-    libraries = ", ".join(f"{k} {v}" for k, v in (env.get("libraries") or {}).items())
-    lines = [f"Source: `{c.root}`; generated {report.generated_utc}.",
+    refused = c.refused()
+    lines = [f"Source: `{c.root}`; generated {report.generated_utc}; every row as CSV: [table.csv](table.csv) "
+             "(Parquet: table.parquet).",
              f"{len(c.records)} runs ({', '.join(f'{s} {n}' for s, n in sorted(statuses.items()))}), "
              f"{len(c.rows)} stage rows in {len(c.cells)} cells; {len(c.problems)} record files skipped as "
              f"unreadable; {len(c.duplicates)} copies of a run already collected counted once."]
-    if env:
-        lines.append(f"Machine of the first run: {env.get('cpu')} x{env.get('cpu_count')}, GPU {env.get('gpu')}, "
-                     f"device {env.get('device')}; {libraries}.")
+    if refused:
+        lines.append(f"{len(refused)} cell(s) mix provenance (runs at different commits, dirty states, hosts, "
+                     "versions or measurement settings): shown in the tables with their flag, refused by every "
+                     "verdict and decision-tree leaf (--allow-mixed-provenance counts them).")
+    elif c.allow_mixed and any(r.get("mixed") for r in c.rows):
+        lines.append("Cells that mix provenance are counted as evidence (--allow-mixed-provenance): their spread "
+                     "may hold code or machine changes.")
     return lines
 
 
 def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
+
+
+def _md_links(text: str) -> str:
+    return " ".join(f"[{n}]({path})" for n, path in enumerate(str(text).split(), 1))
 
 
 def _md_table(table: Table) -> list[str]:
@@ -54,7 +62,8 @@ def _md_table(table: Table) -> list[str]:
         return lines + ["(no rows)", ""]
     lines.append("| " + " | ".join(_md_cell(h) for h in table.header) + " |")
     lines.append("|" + "---|" * len(table.header))
-    lines += ["| " + " | ".join(_md_cell(c) for c in row) + " |" for row in table.rows]
+    lines += ["| " + " | ".join(_md_links(c) if h in table.links else _md_cell(c)
+                                for h, c in zip(table.header, row, strict=True)) + " |" for row in table.rows]
     return lines + [""]
 
 
@@ -74,13 +83,15 @@ def _plain_questions(node: Node) -> list[str]:
     out = []
     for answers, found in questions(node):
         model, ranks, precision, tuning = answers
-        out.append(f"- With model {model} on {ranks} GPU(s), {precision} and {tuning}, which framework? "
+        out.append(f"- With model {model} on {ranks} {node.ranks}, {precision} and {tuning}, which framework? "
                    f"{found.verdict}.")
     return out
 
 
 def markdown(report: Report) -> str:
-    lines = ["# rlhf-bench report", ""] + _summary(report) + [""]
+    lines = ["# rlhf-bench report", ""] + _summary(report) + ["", "## Environment", ""]
+    for table in report.environment:
+        lines += _md_table(table)
     if report.collection.problems:
         lines += ["## Skipped record files", ""]
         lines += [f"- `{p.path}`: {p.reason}" for p in report.collection.problems] + [""]
@@ -93,7 +104,8 @@ def markdown(report: Report) -> str:
                   f"*Figure {n}.* {figure.caption}", ""]
     lines += ["## Decision tree", "", "Built from the measured rows; a leaf that the data cannot decide says so.", ""]
     lines += _md_tree(report.tree) + ["", "As plain questions:", ""] + _plain_questions(report.tree) + [""]
-    lines += ["## Claims check", "", "| claim | statement | verdict | evidence |", "|---|---|---|---|"]
+    lines += ["## Claims check", "", UNITS, "", VERDICT_RULE, "",
+              "| claim | statement | verdict | evidence |", "|---|---|---|---|"]
     lines += [f"| {v.claim_id} | {_md_cell(v.claim)} | {v.verdict} | {_md_cell(v.evidence)} |" for v in report.claims]
     lines += ["", f"**Caveat.** {report.caveat}"]
     return "\n".join(lines) + "\n"
@@ -115,7 +127,8 @@ ul.tree,ul.tree ul{list-style:none;padding-left:1.2rem;border-left:1px dashed #b
 """
 TEXT_COLUMNS = {"run", "stage", "status", "stability", "error", "framework", "precision", "plugin", "reference",
                 "classification", "statement", "verdict", "evidence", "claim", "other config", "engine", "notes",
-                "tags", "configuration", "pair", "largest difference", "term", "finetune", "model", "cell"}
+                "tags", "configuration", "pair", "largest difference", "term", "finetune", "model", "cell",
+                "what", "value", "code", "host", "provenance", "records", "command", "seeds"}
 
 
 def _value_class(column: str, cell: str) -> str:
@@ -125,6 +138,10 @@ def _value_class(column: str, cell: str) -> str:
     return ""
 
 
+def _html_links(text: str) -> str:
+    return " ".join(f"<a href='{html.escape(path)}'>{n}</a>" for n, path in enumerate(str(text).split(), 1))
+
+
 def _html_table(table: Table) -> str:
     head = "".join(f"<th class='{'text' if h in TEXT_COLUMNS else ''}'>{html.escape(h)}</th>" for h in table.header)
     body = []
@@ -132,7 +149,8 @@ def _html_table(table: Table) -> str:
         cells = []
         for column, cell in zip(table.header, row, strict=True):
             css = ("text" if column in TEXT_COLUMNS else "") + _value_class(column, str(cell))
-            cells.append(f"<td class='{css}'>{html.escape(str(cell))}</td>")
+            text = _html_links(cell) if column in table.links else html.escape(str(cell))
+            cells.append(f"<td class='{css}'>{text}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return (f"<h3 id='{table.key}'>{html.escape(table.title)}</h3><p class='caption'>{html.escape(table.caption)}</p>"
             f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
@@ -162,9 +180,11 @@ def _inline_png(path: str, caption: str) -> str:
 def html_page(report: Report) -> str:
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'><title>rlhf-bench report</title>",
              f"<style>{CSS}</style></head><body><h1>rlhf-bench report</h1>"]
-    parts += [f"<p>{html.escape(line.replace('`', ''))}</p>" for line in _summary(report)]
-    contents = [(t.key, t.title) for t in report.tables] + [("figures", "Figures"), ("decision", "Decision tree"),
-                                                             ("claims-check", "Claims check")]
+    parts += [f"<p>{html.escape(line.replace('`', '').replace('[table.csv](table.csv)', 'table.csv'))}</p>"
+              for line in _summary(report)]
+    parts.append("<p><a href='table.csv'>table.csv</a>: every stage row with its units in the column names.</p>")
+    contents = ([(t.key, t.title) for t in report.environment + report.tables]
+                + [("figures", "Figures"), ("decision", "Decision tree"), ("claims-check", "Claims check")])
     parts.append("<nav>Contents: " + " · ".join(f"<a href='#{k}'>{html.escape(t)}</a>" for k, t in contents)
                  + "</nav>")
     if report.collection.problems:
@@ -172,6 +192,8 @@ def html_page(report: Report) -> str:
         parts += [f"<li><code>{html.escape(p.path)}</code>: {html.escape(p.reason)}</li>"
                   for p in report.collection.problems]
         parts.append("</ul>")
+    parts.append("<h2>Environment</h2>")
+    parts += [_html_table(t) for t in report.environment]
     parts.append("<h2>Tables</h2>")
     parts += [_html_table(t) for t in report.tables]
     parts.append("<h2 id='figures'>Figures</h2>")
@@ -181,7 +203,8 @@ def html_page(report: Report) -> str:
     parts.append(_html_tree(report.tree))
     parts.append("<h3>As plain questions</h3><ul>")
     parts += [f"<li>{html.escape(q[2:])}</li>" for q in _plain_questions(report.tree)]
-    parts.append("</ul><h2 id='claims-check'>Claims check</h2>")
+    parts.append(f"</ul><h2 id='claims-check'>Claims check</h2><p class='caption'>{html.escape(UNITS)}</p>"
+                 f"<p class='caption'>{html.escape(VERDICT_RULE)}</p>")
     claims = Table("claims", "Published claims", "Each claim of the two articles (shared/reference/"
                    "published-claims.md) against this sweep's measurements.", ["claim", "statement", "verdict",
                                                                                 "evidence"],

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report.aggregate import distinguishing_keys, group, other_config, per_gpu, stat, status_of
+from bench.report.aggregate import SPREAD_RULE, distinguishing_keys, group, other_config, per_gpu, stat, status_of
+from bench.results import provenance
 from bench.results.collect import is_forced_failure, phases_in
 
 MIB = 1024.0 * 1024.0
@@ -22,6 +23,13 @@ class Table:
     caption: str
     header: list[str]
     rows: list[list[str]]
+    links: tuple[str, ...] = ()  # columns whose cells are space-separated relative paths, rendered as links
+
+
+def cell_flag(runs: list[dict[str, Any]]) -> str:
+    """A cell's provenance flag (bench.results.provenance.flag): mixed commits, hosts, versions or settings;
+    a dirty tree; "-" for clean repeats at one commit."""
+    return provenance.flag([provenance.from_row(r) for r in runs])
 
 
 class ConfigColumns:
@@ -31,16 +39,22 @@ class ConfigColumns:
     def __init__(self, rows: list[dict[str, Any]], cells: Cells) -> None:
         self.extra = [c for c in EXTRA_CONFIG if len({str(r.get(c)) for r in rows}) > 1
                       or (c == "tags" and any(r.get("tags") for r in rows))]
-        self.header = list(SHOWN_CONFIG) + self.extra + ["finetune"]
+        self.header = ["cell"] + list(SHOWN_CONFIG) + self.extra + ["finetune"]
         self.cells = cells
         self.other = distinguishing_keys(rows, cells)
         if self.other:
             self.header.append("other config")
+        # the provenance column, wherever a cell's runs mix commits, hosts, versions or settings, or are dirty
+        self.flagged = any(cell_flag(runs) != "-" for runs in group(rows).values())
+        if self.flagged:
+            self.header.append("provenance")
 
     def values(self, runs: list[dict[str, Any]]) -> list[str]:
         row = runs[0]
-        shown = ["-" if row.get(c) is None else str(row[c]) for c in self.header if c != "other config"]
-        return shown + ([other_config(row, self.cells, self.other)] if self.other else [])
+        shown = ["-" if row.get(c) is None else str(row[c]) for c in self.header
+                 if c not in ("other config", "provenance")]
+        return (shown + ([other_config(row, self.cells, self.other)] if self.other else [])
+                + ([cell_flag(runs)] if self.flagged else []))
 
 
 def runs_table(rows: list[dict[str, Any]]) -> Table:
@@ -79,9 +93,11 @@ def memory_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                  "absolute peaks (`imports` is the runtime phase itself). Model state: parameter and optimizer-state "
                  "bytes rank 0's engines hold; its share of the init phase's growth says how much of building the "
                  "models is the models themselves. Rest: activations, gradients, caches, buffers, allocator slack "
-                 "at rank 0's peak. Median over the cell's repeats, ± half the range, n = runs; a cell is the whole "
-                 "resolved configuration minus seed and bookkeeping (other config: the keys that tell apart cells "
-                 "the columns show alike).", header, body)
+                 "at rank 0's peak. Peak, growth and peak phase are all read over the same phases: every phase after "
+                 "`imports` (init included: a device runs out of memory in whichever phase peaks). A cell is the "
+                 "whole resolved configuration minus seed and bookkeeping (other config: the keys that tell apart "
+                 "cells the columns show alike; the cells table names the command that re-runs each). "
+                 + SPREAD_RULE, header, body)
 
 
 def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
@@ -120,7 +136,7 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                  "training time divided by the passes, so frameworks compare on equal work. TFLOP/s: rank 0's "
                  "FLOPs per step (the record's flops_formula, real tokens) / the step time; MFU: that / the "
                  "device's dense 16-bit peak where it is known (GPUs; none for CPUs). Generation share: its "
-                 "share of the PPO step time. Median over the cell's ok repeats, ± half the range.", header, body)
+                 "share of the PPO step time. " + SPREAD_RULE, header, body)
 
 
 def stability_table(rows: list[dict[str, Any]], cells: Cells) -> Table:

@@ -66,8 +66,8 @@ def trl_vs_trlx_table(rows: Rows, cells: dict[str, dict[str, Any]]) -> list[Tabl
         return []
     return [Table("trl_vs_trlx", "TRL (the package) against the trlx re-creation, phase by phase",
                   "Matched cells (the same configuration, each framework's own options). Growth: MiB over the "
-                  "post-import baseline, max over ranks; time: seconds per timed step (init: once); median ± half "
-                  "the range (n runs). Both run on accelerate with DeepSpeed's plugin at ZeRO >= 1, so the "
+                  "post-import baseline, max over ranks; time: seconds per timed step (init: once); median [range] "
+                  "CI (n runs). Both run on accelerate with DeepSpeed's plugin at ZeRO >= 1, so the "
                   "differences are what each codebase builds, keeps alive and trains, explained per phase.",
                   ["stage", "configuration", "phase", "trl growth MiB", "trlx growth MiB", "trl s/step",
                    "trlx s/step", "why (from the two codebases)"], body)]

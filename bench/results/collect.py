@@ -15,7 +15,8 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION, SETUP_PHASES
+from bench.results import provenance
+from bench.results.record import OUTSIDE_STEP, PHASE_ORDER, SCHEMA_VERSION
 
 RECORD_NAME = "record.json"
 # Config columns every table shows; the cell itself is the whole resolved configuration (`cell_config`).
@@ -41,6 +42,12 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
+# Cell keys that set how a run is measured rather than what it runs: a decision-tree leaf compares frameworks'
+# cells only where these agree (the workload's lengths, the warm-up, the heap release schedule, soak mode).
+MEASUREMENT_KEYS = ("prompt_len", "answer_len", "warmup_steps", "memory_release_every", "soak")
+# The phases peak, growth and peak phase are all read from: every phase after `imports` (the post-import
+# baseline itself), init included, since a device runs out of memory in whichever phase peaks.
+MEMORY_PHASES = tuple(p for p in PHASE_ORDER if p != "imports")
 # Notes whose first word names a piece of the resolved engine (plugin, optimizer, engine, reference mode).
 ENGINE_NOTES = ("plugin:", "engine:", "optimizer:", "reference:")
 
@@ -59,6 +66,11 @@ class Collection:
     problems: list[Problem] = field(default_factory=list)
     cells: dict[str, dict[str, Any]] = field(default_factory=dict)  # cell id -> its flat configuration
     duplicates: list[tuple[str, str]] = field(default_factory=list)  # (copy skipped, run kept)
+    allow_mixed: bool = False  # cells whose runs differ in provenance still count as evidence
+
+    def refused(self) -> dict[str, str]:
+        """Cells of mixed provenance that verdicts and leaves leave out: cell id -> the reasons."""
+        return {} if self.allow_mixed else {r["cell"]: r["mixed"] for r in self.rows if r.get("mixed")}
 
 
 def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -221,25 +233,29 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["finetune"] = finetune_mode(record["config"], result)
     row["engine"] = engine_text(result.get("notes") or [])
     row["notes"] = " | ".join(result.get("notes") or []) or None
+    origin = provenance.of(record)
+    row.update(git_commit=origin.commit, git_dirty=origin.dirty, git_diff=origin.diff, code=origin.code,
+               host_type=origin.host_type, versions=origin.versions, measurement_env=origin.settings)
+    flat = cell_config(record, stage)
+    row["measurement"] = " ".join(f"{k}={flat.get(k)}" for k in MEASUREMENT_KEYS)
+    row["mixed"], row["refused"] = None, False  # set by collect() once the cell's other runs are known
     if stage != "ppo":  # the reference model exists in PPO only
         row["reference"] = None
     memory = result.get("memory") or {}
     row["memory_method"] = memory.get("method")
-    peaks = []
     for phase, entry in (memory.get("phases") or {}).items():
         row[f"peak_{phase}_bytes"] = entry.get("peak_bytes")
         row[f"growth_{phase}_bytes"] = entry.get("growth_over_baseline_bytes")
-        if entry.get("peak_bytes") is not None:
-            peaks.append(entry["peak_bytes"])
-    row["peak_bytes"] = max(peaks) if peaks else None
     baselines = [b for b in memory.get("baseline_bytes_per_rank", []) if b is not None]
     row["baseline_bytes"] = max(baselines) if baselines else None
-    # What frameworks are compared on: growth over the post-import baseline, max over the work phases.
-    work = {p: e for p, e in (memory.get("phases") or {}).items() if p not in SETUP_PHASES}
+    # Peak, growth over the post-import baseline and the phase that sets them, all over MEMORY_PHASES
+    work = {p: e for p, e in (memory.get("phases") or {}).items() if p in MEMORY_PHASES}
+    peaks = {p: e["peak_bytes"] for p, e in work.items() if e.get("peak_bytes") is not None}
     growths = [e["growth_over_baseline_bytes"] for e in work.values()
                if e.get("growth_over_baseline_bytes") is not None]
+    row["peak_bytes"] = max(peaks.values()) if peaks else None
     row["growth_bytes"] = max(growths) if growths else None
-    peak_phase = max(work, key=lambda p: work[p].get("peak_bytes") or 0) if work else None
+    peak_phase = max(peaks, key=lambda p: peaks[p]) if peaks else None
     parts = ((work[peak_phase].get("breakdown_bytes_per_rank") or [{}])[0] or {}) if peak_phase else {}
     row["runtime_bytes_rank0"] = parts.get("runtime_bytes")
     row["rest_at_peak_bytes_rank0"] = parts.get("rest_bytes")
@@ -394,10 +410,11 @@ def _check(record: Any) -> str | None:
     return None
 
 
-def collect(root: str) -> Collection:
+def collect(root: str, allow_mixed: bool = False) -> Collection:
     """Every record.json under `root` (a sweep, a runs directory, or several). A run found twice (a sweep and
-    its curated copy: same run id, same creation time) counts once, at its first path."""
-    collection = Collection(root=root)
+    its curated copy: same run id, same creation time) counts once, at its first path. Each row's `mixed`
+    names how its cell's runs differ in provenance (bench.results.provenance), None where they agree."""
+    collection = Collection(root=root, allow_mixed=allow_mixed)
     seen: dict[tuple[str, str], str] = {}
     for path in sorted(glob.glob(os.path.join(glob.escape(root), "**", RECORD_NAME), recursive=True)):
         run = os.path.relpath(os.path.dirname(path), root)
@@ -420,6 +437,14 @@ def collect(root: str) -> Collection:
         for stage, result in record["stages"].items():
             collection.rows.append(stage_row(run, record, stage, result))
             collection.cells.setdefault(collection.rows[-1]["cell"], cell_config(record, stage))
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for row in collection.rows:
+        by_cell.setdefault(row["cell"], []).append(row)
+    for runs in by_cell.values():
+        reasons = provenance.mixture([provenance.of(collection.records[r["run"]]) for r in runs])
+        for row in runs:
+            row["mixed"] = ", ".join(reasons) or None
+            row["refused"] = bool(reasons) and not allow_mixed  # no verdict or leaf takes it as evidence
     return collection
 
 

@@ -1,0 +1,50 @@
+"""The report's Environment section: which hosts, devices, library versions and code the runs came from, each
+with the number of runs, so a reader sees at the top whether the evidence is one machine at one commit."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from bench.report.aggregate import group
+from bench.report.tables import Table, cell_flag
+from bench.results.collect import Collection
+
+
+def _counted(values: list[str]) -> list[list[str]]:
+    return [[value, str(n)] for value, n in sorted(Counter(values).items(), key=lambda kv: (-kv[1], kv[0]))]
+
+
+def environment_tables(collection: Collection) -> list[Table]:
+    """Hosts (type and device), library version sets, and code (commit, dirty), each as value -> runs; then a
+    one-line verdict of whether the cells are clean repeats."""
+    records = collection.records.values()
+    rows = collection.rows
+    one_per_run = {r["run"]: r for r in rows}.values()
+    hosts = _counted([f"{r.get('host_type') or 'unknown host'}; device {r.get('device') or '?'}" for r in one_per_run])
+    versions = _counted([r.get("versions") or "not recorded" for r in one_per_run])
+    code = _counted([r.get("code") or "unknown commit" for r in one_per_run])
+    python = _counted([(rec.get("environment") or {}).get("python") or "?" for rec in records])
+    cells = group(rows)
+    flags = Counter(cell_flag(runs) for runs in cells.values())
+    mixed = sum(n for flag, n in flags.items() if flag.startswith("mixed"))
+    dirty = sum(1 for r in one_per_run if r.get("git_dirty"))
+    summary = (f"{len(one_per_run)} runs in {len(cells)} cells: {len(hosts)} host type(s), {len(code)} code "
+               f"version(s) ({dirty} run(s) from a dirty tree), {len(versions)} library version set(s); "
+               f"{mixed} cell(s) mix provenance" + (" and are refused by verdicts and leaves"
+                                                    if mixed and not collection.allow_mixed else
+                                                    " (counted: --allow-mixed-provenance)" if mixed else ""))
+    caption = ("Where the evidence came from, read from each record's environment: the host type (CPU model x "
+               "cores, memory; GPUs where any), the code (commit, +dirty with the hash of the uncommitted diff "
+               "where the tree differed from it), and the versions of every library the run could import. "
+               + summary + ".")
+    return [Table("environment", "Environment", caption, ["what", "value", "runs"],
+                  [["host", v, n] for v, n in hosts] + [["code", v, n] for v, n in code]
+                  + [["python", v, n] for v, n in python] + [["libraries", v, n] for v, n in versions])]
+
+
+def machine_words(rows: list[dict[str, Any]]) -> str:
+    """The hardware in a few words for captions: host types and devices."""
+    hosts = sorted({r.get("host_type") or "unknown host" for r in rows})
+    devices = sorted({r.get("device") or "?" for r in rows})
+    return f"{'; '.join(hosts)} (device {', '.join(devices)})"
