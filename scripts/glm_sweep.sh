@@ -32,16 +32,24 @@
 # results/examples/perf-glm-base-sft, their reports are rebuilt and the pending folders removed. Each run's
 # closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache).
 #
-# COMMIT=<sha> runs the sweep at that commit whatever is checked out: in a git worktree of it under
-# results/worktrees/ (its results/ subfolders linked to this checkout's), with this checkout's .venv, so a sweep
-# begun at one commit finishes at it while the branch moves on.
+# The runs come from a git worktree of the commit under results/worktrees/ (its ignored results/ subfolders
+# linked to this checkout's), with this checkout's .venv: every record reads its code state when it starts, so
+# editing or committing in this checkout while the sweep runs changes nothing it records. COMMIT=<sha> runs the
+# sweep at that commit whatever is checked out (default HEAD, which must then be clean), so a sweep that spans
+# sessions finishes at the commit it began at while the branch moves on.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 here=$(pwd)
 python=${PYTHON:-$here/.venv/bin/python}
 full=$(git rev-parse --verify "${COMMIT:-HEAD}^{commit}")
-if [ "$full" != "$(git rev-parse HEAD)" ]; then
+if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktree of the commit
+  if [ -z "${COMMIT:-}" ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    echo "glm_sweep.sh: the tree has uncommitted changes; commit them (or name COMMIT=<sha>): curated runs come" \
+      "from a clean checkout at one commit" >&2
+    git status --short --untracked-files=no >&2
+    exit 2
+  fi
   tree=results/worktrees/${full:0:12}
   [ -d "$tree" ] || git worktree add --detach "$tree" "$full"
   mkdir -p results/sweeps results/cache results/perf results/pending
@@ -51,12 +59,11 @@ if [ "$full" != "$(git rev-parse HEAD)" ]; then
   # the worktree's own pending folder is a tracked path there: its copies go to this checkout's
   cd "$tree" && exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" bash scripts/glm_sweep.sh
 fi
-if [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-  echo "glm_sweep.sh: the tree has uncommitted changes; curated runs come from a clean checkout at one commit" >&2
-  git status --short --untracked-files=no >&2
+if [ -n "$(git status --porcelain --untracked-files=no)" ]; then  # the worktree itself: nobody edits it
+  echo "glm_sweep.sh: the worktree $here has uncommitted changes; remove it (git worktree remove --force)" >&2
   exit 2
 fi
-curated=${CURATED_ROOT:-$here/results}  # where pending/ and examples/ live (this checkout's, or the caller's)
+curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
 commit=${full:0:12}
 all_blocks="A2 A3 A0 B Z C D Q G E F P K N L"
 blocks=${BLOCKS:-$all_blocks}
