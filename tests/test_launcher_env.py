@@ -31,3 +31,30 @@ def test_a_jit_cache_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_p
 def test_outside_a_virtual_environment_torch_s_default_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "prefix", sys.base_prefix)
     assert launcher.jit_cache_dir() is None
+
+
+@pytest.mark.parametrize("given, readable", [
+    ("9.0a", "9.0"),                       # an H200 image's own list
+    ("8.0;9.0;9.0a", "8.0;9.0"),           # the duplicate it makes goes
+    ("8.0 9.0a+PTX 10.0a", "8.0;9.0+PTX;10.0"),
+])
+def test_an_arch_specific_cuda_list_is_made_readable_to_deepspeed_s_builder(
+        monkeypatch: pytest.MonkeyPatch, given: str, readable: str) -> None:
+    # the oracle is DeepSpeed's own CUDA op builder, which sorts the entries as dotted integers
+    from deepspeed.ops.op_builder.fused_adam import FusedAdamBuilder
+
+    builder = FusedAdamBuilder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", given)
+    with pytest.raises(ValueError, match="invalid literal for int"):
+        builder.compute_capability_args()
+    env = _rank_env()
+    assert (env["TORCH_CUDA_ARCH_LIST"], env["RLHF_BENCH_ARCH_LIST_GIVEN"]) == (readable, given)
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", env["TORCH_CUDA_ARCH_LIST"])
+    builder.compute_capability_args()  # builds its flags without a complaint
+
+
+def test_a_readable_cuda_list_is_left_as_the_user_set_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0+PTX")
+    env = _rank_env()
+    assert env["TORCH_CUDA_ARCH_LIST"] == "8.0 9.0+PTX" and "RLHF_BENCH_ARCH_LIST_GIVEN" not in env

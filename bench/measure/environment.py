@@ -82,7 +82,9 @@ def environment(device_type: str, world_size: int) -> dict[str, Any]:
     if device_type == "cuda" and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         gpu = {"name": props.name, "memory_bytes": props.total_memory, "count": torch.cuda.device_count(),
-               "cuda": torch.version.cuda}
+               "cuda": torch.version.cuda, "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+               # what the user had set where the launcher made it readable to DeepSpeed (launcher.deepspeed_arch_list)
+               "arch_list_given": os.environ.get("RLHF_BENCH_ARCH_LIST_GIVEN")}
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

@@ -69,7 +69,33 @@ def rank_env(spec: RunSpec) -> dict[str, str]:
     jit_cache = jit_cache_dir()
     if jit_cache is not None:
         env.setdefault("TORCH_EXTENSIONS_DIR", jit_cache)
+    given = env.get("TORCH_CUDA_ARCH_LIST")
+    readable = deepspeed_arch_list(given) if given is not None else None
+    if readable is not None:
+        env.update(TORCH_CUDA_ARCH_LIST=readable, RLHF_BENCH_ARCH_LIST_GIVEN=given)
     return env
+
+
+ARCH_SUFFIX = re.compile(r"(\d+\.\d+)[a-z](\+PTX)?")
+
+
+def deepspeed_arch_list(value: str) -> str | None:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed 0.19.8's JIT builder can read it, or None where it already can. The
+    builder sorts the entries as dotted integers (op_builder/builder.py, compute_capability_args), so an
+    architecture-specific entry such as "9.0a" (sm_90a, set by some CUDA images) raises ValueError before
+    FusedAdam builds and every DeepSpeed run fails at its engine's init (found on an H200). The letter suffix is
+    dropped ("9.0a" -> "9.0": sm_90 code, which runs on the same GPU) and a duplicate it makes is left out; "+PTX"
+    stays. The record keeps both lists (environment.gpu)."""
+    entries = [e for e in re.split(r"[;\s]+", value) if e]
+    if not any(ARCH_SUFFIX.fullmatch(e) for e in entries):
+        return None
+    readable: list[str] = []
+    for entry in entries:
+        match = ARCH_SUFFIX.fullmatch(entry)
+        entry = match.group(1) + (match.group(2) or "") if match else entry
+        if entry not in readable:
+            readable.append(entry)
+    return ";".join(readable)
 
 
 def jit_cache_dir() -> str | None:
