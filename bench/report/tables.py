@@ -104,7 +104,7 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p not in ("imports", "init")]
     config = ConfigColumns(rows, cells)
     header = (config.header + ["ok runs", "timed steps"] + [f"{p} tok/s" for p in phases]
-              + ["step s (min-max over steps)", "step samples/s", "samples/s per GPU", "update passes",
+              + ["step s (min-max over steps)", "step samples/s", "samples/s per rank at one pass", "update passes",
                  "samples/s at one pass", "TFLOP/s (rank 0)", "MFU %", "generation share %"])
     body = []
     for runs in group(rows).values():
@@ -130,9 +130,10 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                  "rank's time, warm-up steps excluded (time.perf_counter around each phase). Timed steps: "
                  "measured steps summed over the cell's ok runs; step s: the fastest and slowest single step "
                  "among them (each the slowest rank's summed phase times). Step samples/s: samples of one step "
-                 "over all replicas / the step time (per-phase mean step times summed); per GPU: that (at one "
-                 "update pass for PPO) / ranks. Update passes: optimizer passes over each rollout per PPO step "
-                 "(trlx's ppo_epochs is 4, the others' 1); samples/s at one pass: the same step with its "
+                 "over all replicas / the step time (per-phase mean step times summed); per rank at one pass (a "
+                 "rank is a GPU on a GPU host, a process on a CPU host): that at one update pass for PPO / ranks. "
+                 "Update passes: optimizer passes over each rollout per PPO step (the record's update_passes, the "
+                 "framework's own PPO epochs); samples/s at one pass: the same step with its "
                  "training time divided by the passes, so frameworks compare on equal work. TFLOP/s: rank 0's "
                  "FLOPs per step (the record's flops_formula, real tokens) / the step time; MFU: that / the "
                  "device's dense 16-bit peak where it is known (GPUs; none for CPUs). Generation share: its "
