@@ -240,6 +240,7 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
             continue
         fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(frameworks) * len(phases)), 4.2))
         labels, positions, x = [], [], -1
+        shown: set[str] = set()  # terms already in the legend; a term that holds nothing in the panel gets none
         for framework in frameworks:
             runs = [r for r in chosen if r["framework"] == framework]
             x += 1  # a gap between frameworks
@@ -250,7 +251,8 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
                 bottom = 0.0
                 for k, term in enumerate(BREAKDOWN_TERMS):
                     value = stat([r.get(f"{term}_{phase}_bytes") for r in runs]).median or 0.0
-                    label = TERM_LABEL[term] if not positions else None  # one legend entry per term
+                    label = TERM_LABEL[term] if value and term not in shown else None  # one entry per term
+                    shown |= {term} if value else set()
                     ax.bar(x, value / MIB, bottom=bottom, color=f"C{k}", label=label)
                     bottom += value / MIB
                 positions.append(x)
@@ -308,11 +310,16 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
 Curves = dict[str, dict[str, list[list[float]]]]  # panel title -> cell label -> one curve per run
 
 
+MAIN_KEYS = ("model", "precision", "zero", "lora", "batch", "launcher.nproc")  # a panel's only cell, in words
+
+
 def _cell_labels(cells: Cells, ids: list[str]) -> dict[str, str]:
-    """Each cell by the keys in which it differs from the panel's other cells (its id where none do)."""
+    """Each cell by the keys in which it differs from the panel's other cells; a panel's only cell by its main
+    keys (its id where it has none of them)."""
     keys = sorted({k for c in ids for k in cells[c]} - {"stage_row"})
     differing = [k for k in keys if len({json.dumps(cells[c].get(k), default=str) for c in ids}) > 1]
-    return {c: " ".join(f"{k.split('.')[-1]}={cells[c].get(k)}" for k in differing) or c for c in ids}
+    return {c: " ".join(f"{k.split('.')[-1]}={cells[c].get(k)}" for k in differing or MAIN_KEYS if k in cells[c])
+            or c for c in ids}
 
 
 def _curve_panels(panels: Curves, ylabel: str, xlabel: str, directory: str, name: str) -> str:
