@@ -174,6 +174,15 @@ def test_a_leaf_only_one_framework_runs_names_no_winner(tmp_path):
     assert leaf.verdict == "only trlx runs this mode: nothing to compare it with, no winner" and not leaf.decided
 
 
+def test_a_framework_the_sweep_did_not_run_in_a_branch_is_not_said_unable_to(tmp_path):
+    # dschat ran PPO at 2 ranks only; colossalai at 1 rank only: each 2-rank and 1-rank leaf has one framework
+    runs = {**_three("dschat", 5.0), **_three("colossalai", 5.0, **{"launcher.nproc": 1})}
+    leaves = _leaves(_collect(tmp_path, runs))
+    assert leaves[("glm-base", "2", "bf16", "full fine-tuning")].verdict == (
+        "only dschat measured in this branch (colossalai: not measured): nothing to compare it with, no winner")
+    assert leaves[("glm-base", "1", "bf16", "full fine-tuning")].verdict.startswith("only colossalai measured")
+
+
 def test_the_tree_states_its_hardware_and_asks_for_ranks_on_a_cpu_host(tmp_path):
     tree = decision.build(_collect(tmp_path, _three("dschat", 5.0)).rows)
     assert tree.question.startswith("Evidence from device cpu on test cpu x 2; memory: host RSS")

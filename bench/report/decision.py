@@ -10,11 +10,11 @@ counted as one) stands beside it. A leaf names a framework only when both leader
 leader is >= 10 % ahead with ranges that do not overlap, their cells were measured alike (lengths, warm-up,
 heap release, commit, host type) and, for LoRA, they train a like number of parameters. A framework whose
 runs are all `unsupported` cannot run the mode: that is its own outcome, never "does not fit"; a leaf that
-only one framework can run says so and names no winner. Forced-failure runs and cells of mixed provenance
-never count. Cells only this harness can run (`harness_extension`: DS-Chat or coati in fp32, coati's PPO on
-ddp/zero1, trlx with gradient checkpointing, ...) are left out unless asked for: no user of the framework could
-deploy them. The plain-PyTorch reference (`framework=torch`) appears in a leaf's evidence as the yardstick,
-never as its verdict.
+only one framework can run (or the sweep measured only one) says so and names no winner. Forced-failure runs
+and cells of mixed provenance never count. Cells only this harness can run (`harness_extension`: DS-Chat or
+coati in fp32, coati's PPO on ddp/zero1, trlx with gradient checkpointing, ...) are left out unless asked for: no
+user of the framework could deploy them. The plain-PyTorch reference (`framework=torch`) appears in a leaf's
+evidence as the yardstick, never as its verdict.
 """
 
 from __future__ import annotations
@@ -123,7 +123,10 @@ def _unlike(candidates: list[Candidate]) -> str | None:
     return "; ".join(differ) or None
 
 
-def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str], mode: str = "full") -> Leaf:
+def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str], mode: str = "full",
+         elsewhere: frozenset[str] = frozenset()) -> Leaf:
+    """One leaf from its rows; `elsewhere`: frameworks measured at the leaf's model, ranks and precision in
+    another fine-tuning mode (so they ran, but not this mode)."""
     yardstick = _yardstick(rows, budget)
     rows = [r for r in rows if r["framework"] != YARDSTICK]
     frameworks = [f for f in frameworks if f != YARDSTICK]
@@ -180,6 +183,10 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
     candidates.sort(key=lambda c: c.speed.median, reverse=True)
     first = candidates[0]
     if len(runnable) == 1:
+        absent = [f for f in unmeasured if f not in elsewhere]
+        if absent:  # the sweep did not run them here: nothing says they cannot
+            return Leaf(f"only {first.framework} measured in this branch ({', '.join(absent)}: not measured): "
+                        "nothing to compare it with, no winner", False, evidence)
         if set_aside:  # the others ran but their cells mix provenance: they may well run the mode
             return Leaf(f"only {first.framework}'s evidence is admissible ({', '.join(set_aside)}: mixed "
                         "provenance, left out): nothing to compare it with, no winner", False, evidence)
@@ -250,11 +257,13 @@ def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: 
             for precision in ("bf16", "fp16", "fp32"):
                 by_precision = [r for r in by_ranks if r["precision"] == precision]
                 tune_node = Node("Full fine-tuning, LoRA, or partial freezing?")
+                measured_here = frozenset(r["framework"] for r in by_precision)
                 for answer, mode in FINETUNE:
                     chosen = [r for r in by_precision if r.get("finetune", "lora" if r["lora"] else "full") == mode]
                     if mode == "partial" and not chosen:
                         continue  # only shown where a framework trains part of the model
-                    tune_node.branches.append((answer, leaf(chosen, budget_bytes, frameworks, mode)))
+                    elsewhere = measured_here - {r["framework"] for r in chosen}
+                    tune_node.branches.append((answer, leaf(chosen, budget_bytes, frameworks, mode, elsewhere)))
                 precision_node.branches.append((precision, tune_node))
             ranks_node.branches.append((str(nproc), precision_node))
         root.branches.append((model, ranks_node))
