@@ -229,10 +229,11 @@ def test_one_pass_throughput_divides_only_the_training_time_by_the_update_passes
         "generation": {"time_s_per_step": 1.0}, "experience": {"time_s_per_step": 0.5},
         "training": {"time_s_per_step": 4.0}}}}
     row = stage_row("r", record, "ppo", result)
-    # step: 1 + 0.5 + 4 = 5.5 s for 8 samples; one pass: 1 + 0.5 + 4 / 4 = 2.5 s
-    assert row["update_passes"] == 4
-    assert row["samples_per_s_step"] == pytest.approx(8 / 5.5)
-    assert row["samples_per_s_one_pass"] == pytest.approx(8 / 2.5)
+    # trlx's step learns on num_rollouts = 4 x batch = 16 rollouts per rank (4 generate calls of 4 prompts), 32 on
+    # 2 ranks; step: 1 + 0.5 + 4 = 5.5 s; one pass: 1 + 0.5 + 4 / 4 = 2.5 s
+    assert (row["update_passes"], row["rollouts_per_step"], row["global_batch"]) == (4, 4, 32)
+    assert row["samples_per_s_step"] == pytest.approx(32 / 5.5)
+    assert row["samples_per_s_one_pass"] == pytest.approx(32 / 2.5)
     assert row["harness_extension"] == "grad_ckpt=true"
 
 
@@ -254,6 +255,25 @@ def test_trl_s_update_passes_come_from_its_record_and_older_records_from_num_ppo
     other = {**config, "framework": {"name": "trl", "ppo": {"num_ppo_epochs": 2}}}
     assert stage_row("r", {"config": other}, "ppo", {"status": "ok", "throughput": throughput,
                                                      "update_passes": 4})["update_passes"] == 4
+
+
+def test_a_ppo_step_s_samples_are_its_rollouts_as_stated_or_from_the_config():
+    """coati collects num_collect_steps (2) rollouts of `batch` prompts a step: 2 x 2 prompts x 2 ranks = 8
+    samples in a 4 s step, not the 4 that batch x ranks says; DS-Chat, one rollout a step, 4."""
+    from bench.results.collect import stage_row
+
+    throughput = {"phases": {"generation": {"time_s_per_step": 1.0}, "training": {"time_s_per_step": 3.0}}}
+    coati = {"framework": {"name": "colossalai", "ppo": {"num_collect_steps": 2, "num_update_steps": 1}},
+             "batch": 2, "launcher": {"nproc": 2}, "model": {"name": "tiny"}}
+    older = stage_row("r", {"config": coati}, "ppo", {"status": "ok", "throughput": throughput})
+    stated = stage_row("r", {"config": {**coati, "framework": {"name": "colossalai", "ppo": {}}}}, "ppo",
+                       {"status": "ok", "throughput": throughput, "rollouts_per_step": 2})
+    for row in (older, stated):
+        assert (row["rollouts_per_step"], row["global_batch"]) == (2, 8)
+        assert row["samples_per_s_step"] == pytest.approx(8 / 4.0)
+    dschat = {**coati, "framework": {"name": "dschat", "ppo": {"ppo_epochs": 1}}}
+    row = stage_row("r", {"config": dschat}, "ppo", {"status": "ok", "throughput": throughput})
+    assert (row["rollouts_per_step"], row["samples_per_s_step"]) == (1, pytest.approx(4 / 4.0))
 
 
 def test_the_fixed_cost_splits_a_stage_s_time_outside_its_steps():

@@ -195,7 +195,7 @@ def test_the_measured_step_rate_leads_and_the_one_pass_figure_stands_beside_it(t
     runs = {}
     for seed in range(3):
         trlx = record(config(seed=seed, **{"framework.name": "trlx"}), run_id=f"t{seed}", step_s=8.0 + 0.01 * seed)
-        trlx["stages"]["ppo"]["update_passes"] = 4
+        trlx["stages"]["ppo"].update(update_passes=4, rollouts_per_step=1)  # one rollout of 2 prompts a rank
         runs[f"t{seed}"] = trlx
         runs[f"d{seed}"] = record(config(seed=seed), run_id=f"d{seed}", step_s=6.0 + 0.01 * seed)
     leaf = _leaves(_collect(tmp_path, runs))[("glm-base", "2", "bf16", "full fine-tuning")]
@@ -213,6 +213,7 @@ def test_lora_leaves_compare_like_work_only(tmp_path):
             runs[f"{framework}{seed}"] = record(config(seed=seed, lora=64, **{"framework.name": framework}),
                                                 run_id=f"{framework}{seed}", step_s=step_s + 0.05 * seed,
                                                 trainable=trainable, total=100_000_000)
+            runs[f"{framework}{seed}"]["stages"]["ppo"]["rollouts_per_step"] = 1  # equal samples a step
     leaf = _leaves(_collect(tmp_path, runs))[("glm-base", "2", "bf16", "LoRA")]
     assert leaf.verdict == ("cannot call: not like work: dschat's LoRA trains 33.00 M parameters, trlx's 3.50 M "
                             "(more than 1.5x apart)")

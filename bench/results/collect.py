@@ -194,6 +194,24 @@ def update_passes(config: dict[str, Any], stage: dict[str, Any] | None = None) -
     return int(ppo.get("ppo_epochs") or ppo.get("num_update_steps") or ppo.get("num_ppo_epochs") or 1)
 
 
+def rollouts_per_step(config: dict[str, Any], stage: dict[str, Any] | None = None) -> int:
+    """Prompt batches (of `batch` each, per replica) a PPO step generated and trained on: what the stage record
+    states (the adapter's own count), else, for records written before it did, from the config: coati's
+    num_collect_steps, trlx's num_rollouts / batch (upstream's default 4 x batch x grad_accum), the others'
+    grad_accum."""
+    stated = (stage or {}).get("rollouts_per_step")
+    if isinstance(stated, int) and stated >= 1:
+        return stated
+    framework = config.get("framework") or {}
+    ppo = framework.get("ppo") or {}
+    batch, accum = config.get("batch") or 1, config.get("grad_accum") or 1
+    if framework.get("name") == "colossalai":
+        return int(ppo.get("num_collect_steps") or 1)
+    if framework.get("name") == "trlx":
+        return int((ppo.get("num_rollouts") or 4 * batch * accum) // batch)
+    return int(accum)
+
+
 def _quant(config: dict[str, Any]) -> str:
     """The frozen roles' weights: "none", or e.g. "ref int8, reward int8 (torchao)"."""
     modes = {role: (config.get(key) or {}).get("quant", "none") for role, key in (("ref", "reference"),
@@ -304,7 +322,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
                    and k.removeprefix("time_s_per_step_") not in OUTSIDE_STEP and row[k] is not None]
     row["step_time_s"] = sum(step_phases) if step_phases else None
     replicas = (row["nproc"] or 1) // ((row["tp"] or 1) * (row["pp"] or 1))
-    row["global_batch"] = row["batch"] * row["grad_accum"] * replicas if row["batch"] else None
+    # samples a step trains on: PPO's are its rollouts (coati collects 2 a step, trlx num_rollouts / batch)
+    per_replica = rollouts_per_step(record["config"], result) if stage == "ppo" else row["grad_accum"]
+    row["rollouts_per_step"] = per_replica if stage == "ppo" else None
+    row["global_batch"] = row["batch"] * per_replica * replicas if row["batch"] else None
     row["samples_per_s_step"] = (row["global_batch"] / row["step_time_s"]
                                  if row["step_time_s"] and row["global_batch"] else None)
     # Equal work across frameworks: the step as it would run with one update pass over its rollout (trlx

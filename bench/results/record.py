@@ -86,6 +86,7 @@ class StageRecord:
     quantized: dict[str, Any] = field(default_factory=dict)  # frozen roles in 8/4 bits (reference.quant, reward.quant)
     engine_knobs: dict[str, Any] = field(default_factory=dict)  # common knobs read back from the built engines
     update_passes: int | None = None  # PPO: the passes the framework's update makes over each step's rollouts
+    rollouts_per_step: int | None = None  # PPO: prompt batches (of `batch` each) a step generates and trains on
     live_tensors: dict[str, Any] = field(default_factory=dict)  # PPO: storages alive at the reward model's call
     cut_short: dict[str, Any] | None = None  # ranks stopped by SIGTERM and the steps they had done
     checkpoint: str | None = None  # the stage's closing save (what a later stage loads)

@@ -151,6 +151,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         result["engine_knobs"] = adapter.engine_knobs()
         if stage == "ppo":  # the passes over each step's rollouts, which the report's per-pass rates divide by
             result["update_passes"] = adapter.update_passes()
+            # the prompt batches a step generates, scores and trains on: the samples of the step's rate
+            result["rollouts_per_step"] = adapter.rollouts_per_step()
         # micro-batches and optimizer steps as the engines counted them (a PPO step's count is the framework's)
         if spec.grad_accum > 1 or stage == "ppo":
             result["engine_knobs"]["accumulation"] = adapter.accumulation()
