@@ -291,8 +291,9 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
                         if s["peak_bytes"] is not None)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=framework)
     steps = 1 + max(s["step"] for r in chosen for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])
-    ax.set_xticks(range(steps * len(phases)), [phases[i % len(phases)][:4] if i // len(phases) == 0 else ""
-                                               for i in range(steps * len(phases))], fontsize=6)
+    # the first step's ticks name its phases in full (rotated to fit); the later steps repeat the order
+    ax.set_xticks(range(steps * len(phases)), [phases[i % len(phases)] if i // len(phases) == 0 else ""
+                                               for i in range(steps * len(phases))], fontsize=6, rotation=60)
     for step in range(1, steps):
         ax.axvline(step * len(phases) - 0.5, color="grey", linewidth=0.4)
     ax.set_xlabel(f"PPO steps (grey lines), each split into its phases: {', '.join(phases)}")
