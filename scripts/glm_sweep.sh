@@ -51,6 +51,7 @@ if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktr
     exit 2
   fi
   tree=results/worktrees/${full:0:12}
+  git worktree prune  # a worktree whose folder went with an earlier machine's results/ is registered no more
   [ -d "$tree" ] || git worktree add --detach "$tree" "$full"
   mkdir -p results/sweeps results/cache results/perf results/pending
   for sub in sweeps cache perf; do  # ignored folders: the worktree stays a clean checkout of the commit
