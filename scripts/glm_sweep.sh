@@ -32,6 +32,9 @@
 # results/examples/perf-glm-base-sft, their reports are rebuilt and the pending folders removed. Each run's
 # closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache).
 #
+# `bash scripts/glm_sweep.sh --dry-run` prints every cell the sweep would run, each checked by this checkout's
+# `bench.run --dry-run` (and bench.perf's), and writes nothing: no worktree, no pending copies, no examples.
+#
 # The runs come from a git worktree of the commit under results/worktrees/ (its ignored results/ subfolders
 # linked to this checkout's), with this checkout's .venv: every record reads its code state when it starts, so
 # editing or committing in this checkout while the sweep runs changes nothing it records. COMMIT=<sha> runs the
@@ -42,7 +45,26 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS=1
 here=$(pwd)
 python=${PYTHON:-$here/.venv/bin/python}
-full=$(git rev-parse --verify "${COMMIT:-HEAD}^{commit}")
+dry=0
+for arg in "$@"; do
+  case $arg in
+    --dry-run) dry=1 ;;
+    *) echo "glm_sweep.sh: unknown argument $arg; allowed: --dry-run (settings are environment variables:" \
+         "COMMIT, BLOCKS, PYTHON)" >&2; exit 2 ;;
+  esac
+done
+full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
+  echo "glm_sweep.sh: COMMIT=${COMMIT:-HEAD} is not a commit of this repository" >&2; exit 2; }
+if [ "$dry" = 1 ]; then
+  echo "dry run: the sweep at ${full:0:12} would run from results/worktrees/${full:0:12}; its cells, checked with" \
+    "this checkout's code:"
+  if [ -z "${COMMIT:-}" ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
+    echo "dry run: the real sweep would refuse this tree: it has uncommitted changes"
+  fi
+  CURATED_ROOT=$here/results
+  dry_lines=$(mktemp)
+  trap 'rm -f "$dry_lines"' EXIT
+fi
 if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktree of the commit
   if [ -z "${COMMIT:-}" ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
     echo "glm_sweep.sh: the tree has uncommitted changes; commit them (or name COMMIT=<sha>): curated runs come" \
@@ -60,7 +82,7 @@ if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktr
   # the worktree's own pending folder is a tracked path there: its copies go to this checkout's
   cd "$tree" && exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" bash scripts/glm_sweep.sh
 fi
-if [ -n "$(git status --porcelain --untracked-files=no)" ]; then  # the worktree itself: nobody edits it
+if [ "$dry" = 0 ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then  # the worktree: nobody edits it
   echo "glm_sweep.sh: the worktree $here has uncommitted changes; remove it (git worktree remove --force)" >&2
   exit 2
 fi
@@ -70,6 +92,7 @@ all_blocks="A2 A3 A0 B Z C D Q G E F P K N L"
 blocks=${BLOCKS:-$all_blocks}
 # Two sweeps: glm-base (blocks A2-F, and P's perf runs beside it) and the tiny model's claims pairs (K, N, L)
 for kind in glm-base claims; do
+  [ "$dry" = 1 ] && break
   mkdir -p "results/sweeps/$kind-$commit"
   if [ -d "$curated/pending/$kind-$commit" ]; then  # resume from the records a session before this one kept
     (cd "$curated/pending/$kind-$commit" && find . -name record.json \
@@ -83,6 +106,10 @@ three=dschat,colossalai,trlx
 # then each run's closing save is deleted and the finished records are copied to the pending folder
 sweep() { local kind=$1; shift
           local dir=results/sweeps/$kind-$commit pending=$curated/pending/$kind-$commit
+          if [ "$dry" = 1 ]; then  # checked together at the end, in one process
+            printf '%q ' -m sweep_name="$kind-$commit" launcher.timeout_s=3600 "$@" >> "$dry_lines"
+            echo >> "$dry_lines"; return
+          fi
           "$python" -m bench.run -m sweep_name="$kind-$commit" launcher.timeout_s=3600 "$@"
           find "$dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune \
             -exec rm -rf {} +
@@ -119,7 +146,7 @@ for block in $blocks; do
     E)  glm glm-base 2 framework=$three stage=sft steps=4 precision=fp16 zero=2 lora=0 lr=1000 seed=1 \
           "tags=[forced-failure]" ;;
     F)  glm glm-large 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
-    P)  "$python" -m bench.perf --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
+    P)  "$python" -m bench.perf $([ "$dry" = 1 ] && echo --dry-run) --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
           precision=bf16 zero=2 lora=0 prompt_len=128 answer_len=128 batch=2 steps=4 warmup_steps=1 \
           stage_steps.rm=5 ;;
     K)  tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=none reward.quant=none
@@ -131,6 +158,10 @@ for block in $blocks; do
     *)  echo "unknown block $block (blocks: $all_blocks)" >&2; exit 2 ;;
   esac
 done
+if [ "$dry" = 1 ]; then
+  "$python" -m bench.run.dry_run < "$dry_lines"
+  exit
+fi
 if [ "$blocks" = "$all_blocks" ]; then  # the whole night is done: it becomes the curated examples
   for kind in glm-base claims; do
     example=$curated/examples/$kind

@@ -4,7 +4,8 @@ Exit status: 0 when a record was written (its `status` says ok, oom, nan, error,
 2 when the configuration is invalid or unsupported, in which case nothing was launched. Under `-m`
 (a sweep) every cell ends in a record and the sweep goes on: an invalid or unsupported cell, a crash of
 the harness itself, a cell skipped by the OOM back-stop; a cell whose finished record already exists is
-not run again unless `force=true`.
+not run again unless `force=true`. `--dry-run` prints what would run (every cell of a sweep, each
+validated) and launches nothing (bench/run/dry_run.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from bench.run.benchmark import RECORD_FILE, run_benchmark
 from bench.run.cli_checks import check_command_line
 from bench.run.cli_help import help_text
 from bench.run.config import CONF_DIR, to_plain
+from bench.run.dry_run import DRY_RUN_FLAG, dry_run
 from bench.run.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
 from bench.run.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
 
@@ -118,11 +120,16 @@ def cli() -> None:
     if any(arg in ("--help", "-h") for arg in sys.argv[1:]):
         print(help_text())
         return
+    args = sys.argv[1:]
+    dry = DRY_RUN_FLAG in args
+    args = [arg for arg in args if arg != DRY_RUN_FLAG]
     try:
-        check_command_line(sys.argv[1:])
+        check_command_line(args)
     except SpecError as err:
         Console().print(f"[bold red]invalid configuration:[/bold red] {err}", soft_wrap=True)
         sys.exit(2)
+    if dry:
+        sys.exit(dry_run(args, Console()))
     main()
 
 

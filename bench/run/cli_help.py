@@ -20,6 +20,8 @@ per phase, throughput, numerical stability.
 
 Usage: python -m bench.run [KEY=VALUE ...]
        python -m bench.run -m KEY=V1,V2 ...   (a sweep: a run per combination)
+       python -m bench.run --dry-run [-m] ... (what would run, each cell
+                                               checked; nothing launched)
 """
 FOOTER = """\
 Common keys: precision=fp32|bf16|fp16 zero=0|1|2|3 lora=RANK batch=N steps=N
