@@ -6,7 +6,8 @@ invocation: `python -m MODULE`, `python FILE.py`, `bash FILE.sh`, `mkdocs VERB` 
 `NAME=value` settings allowed). A trailing `# comment` is dropped, a `\\`-continued line is joined, `a && b`
 is two commands. A usage synopsis (a command whose arguments are `[optional]` and `a|b|c` alternatives) is
 checked option by option instead of run. Placeholders a page uses for a value the reader chooses (`DIR`,
-`<name>`, `...`) are filled in by the runner.
+`<name>`, `...`) are filled in by the runner. `pip install` lines describe what scripts/setup.sh runs (and
+tests/test_dependencies.py, in a fresh venv): they are not read as commands here.
 """
 
 from __future__ import annotations

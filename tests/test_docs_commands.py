@@ -5,7 +5,7 @@ Two forms of each command. CI's (engine tier): the command with `--dry-run` wher
 bench.perf, bench.plan.calibrate, scripts/glm_sweep.sh: every key, value and cell checked, nothing launched),
 as shown where it takes seconds (bench.plan, bench.report on hand-made records, mkdocs), `--collect-only` for
 a test tier. The slow tier's (scripts/test_slow.sh): the real run at its smallest honest size (steps cut to
-6, a checkpoint every 3 steps; every output under a temporary results folder), except what takes hours on
+14, a checkpoint every 5 steps; every output under a temporary results folder), except what takes hours on
 this CPU or needs hardware it lacks, which keeps its dry run and says why. A command no rule knows fails the
 test: a new kind of command gets a runner before its page lands.
 """
@@ -37,7 +37,8 @@ PYTHON = sys.executable
 BIN = Path(PYTHON).parent
 # Where a page puts a value the reader chooses, or a folder an earlier command of the page wrote.
 RECORD_FOLDERS = re.compile(r"^(DIR|results/(sweeps|perf)/\S+)$")
-SLOW_CAPS = {"steps": 6, "warmup_steps": 2, "checkpoint.every": 3}  # the slow tier's smallest honest size
+# The slow tier's smallest honest size: 14 steps is the least a soak fits (10 after warm-up and the first tenth)
+SLOW_CAPS = {"steps": 14, "warmup_steps": 2, "checkpoint.every": 5}
 SLOW_MAX_CELLS = 8  # a documented sweep larger than this keeps its dry run in the slow tier too
 CPU_MODELS = ("tiny",)  # bench.perf runs for real only on these (glm-base: 15 runs of 1-15 minutes)
 

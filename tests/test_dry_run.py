@@ -34,5 +34,6 @@ def test_each_cell_is_judged_run_unsupported_or_invalid_with_the_reason():
 ])
 def test_the_exit_status_is_what_the_real_command_gives_before_launch(args, code, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    assert dry_run(args, Console(file=open(tmp_path / "out.txt", "w"))) == code
+    with open(tmp_path / "out.txt", "w") as out:
+        assert dry_run(args, Console(file=out)) == code
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.txt"]  # nothing else written
