@@ -198,6 +198,22 @@ def test_overlapping_repeats_are_too_close_to_call(tmp_path):
     assert not leaf.decided and leaf.verdict.startswith("too close to call")
 
 
+def test_a_faster_cell_without_repeats_is_named_beside_the_repeated_candidate_not_in_its_place(tmp_path):
+    runs = {}
+    for seed in range(3):  # both at ZeRO-2 with 3 repeats: dschat 5 s a step, colossalai 10 s
+        for framework, step_s in (("dschat", 5.0), ("colossalai", 10.0)):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", step_s=step_s)
+    # one colossalai run at ZeRO-0, 2 s a step: the fastest cell, but a single run
+    runs["colossalai-z0"] = record(config(zero=0, **{"framework.name": "colossalai"}), run_id="z0", step_s=2.0)
+    leaf = _leaves(_collect(tmp_path, runs))[FULL]
+    assert leaf.decided and leaf.verdict.startswith("dschat"), leaf.verdict  # 0.400 against 0.200 samples/s
+    assert any(e.startswith("colossalai: fastest fitting config zero=2") for e in leaf.evidence), leaf.evidence
+    # batch 2 x 2 ranks / 2 s / 2 ranks = 1.000 samples/s per rank
+    assert any(e.startswith("colossalai: faster but unrepeated, not a candidate: zero=0") and "1.000" in e
+               and "(n=1 < 3)" in e for e in leaf.evidence), leaf.evidence
+
+
 def test_one_run_with_steady_steps_is_not_a_repeat(tmp_path):
     leaf = _leaves(_two_frameworks(tmp_path, [5.0], [10.0], step_spread=0.02))[FULL]
     assert not leaf.decided and "without 3 repeats" in leaf.verdict  # old behaviour: 3 timed steps decided

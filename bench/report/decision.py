@@ -4,7 +4,8 @@ The root states the hardware the evidence came from (host types and device); the
 model, how many ranks (GPUs on a GPU host, processes on a CPU host), which precision, full fine-tuning, LoRA
 or partial freezing (a framework that trains only some blocks is not doing full fine-tuning). At each leaf,
 per framework: the fastest configuration that finished, stayed numerically stable and fits the memory budget
-(peak, max over ranks). Speed is the measured step rate: samples per second per rank over whole steps, with
+(peak, max over ranks), among its configurations with 3 repeats where it has any (a faster one with fewer runs
+is named beside it, unconfirmed). Speed is the measured step rate: samples per second per rank over whole steps, with
 each framework's own update passes; the derived figure at one update pass per rollout (trlx's 4 PPO epochs
 counted as one) stands beside it. A leaf names a framework only when both leaders have 3 repeats and the
 leader is >= 10 % ahead with ranges that do not overlap, their cells were measured alike (lengths, warm-up,
@@ -157,7 +158,11 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
         if not fitting:
             evidence.append(f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)")
             continue
-        best = max(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median)
+        # The framework's fastest cell among those with MIN_REPEATS runs: a faster cell with fewer runs has no
+        # range to show its lead is more than noise, so it is named beside the candidate, never in its place.
+        cells = sorted(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median, reverse=True)
+        best = next((cell for cell in cells if len(cell) >= MIN_REPEATS), cells[0])
+        faster = cells[:cells.index(best)]
         measured, repeated = cell_speed(best)
         steps = sum(r.get("timed_steps") or 0 for r in best)
         one_pass = stat([per_gpu(r) for r in best])
@@ -174,6 +179,9 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
         evidence.append(f"{framework}: fastest fitting config {candidate.config}: measured {measured.median:.3f} "
                         f"samples/s per rank, {interval}{derived}{trained}; peak {candidate.peak_bytes / MIB:,.0f} "
                         f"MiB; {steps} timed steps ({len(fitting)} of {len(runs)} runs fit and stayed stable)")
+        evidence += [f"{framework}: faster but unrepeated, not a candidate: {_config_text(cell)}: measured "
+                     f"{cell_speed(cell)[0].median:.3f} samples/s per rank (n={len(cell)} < {MIN_REPEATS})"
+                     for cell in faster]
     runnable = [f for f in sorted({r["framework"] for r in rows}) if f not in unsupported]
     if not runnable:
         return Leaf(f"unsupported: no measured framework can run this mode ({', '.join(unsupported)})", True,

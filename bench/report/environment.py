@@ -38,7 +38,7 @@ def environment_tables(collection: Collection) -> list[Table]:
                "cores, memory; GPUs where any), the code (commit, +dirty with the hash of the uncommitted diff "
                "where the tree differed from it), and the versions of every library the run could import. "
                + summary + ".")
-    return [Table("environment", "Environment", caption, ["what", "value", "runs"],
+    return [Table("environment", "Hosts, code and libraries", caption, ["what", "value", "runs"],
                   [["host", v, n] for v, n in hosts] + [["code", v, n] for v, n in code]
                   + [["python", v, n] for v, n in python] + [["libraries", v, n] for v, n in versions])]
 
