@@ -1,27 +1,31 @@
 #!/usr/bin/env bash
 # The curated CPU benchmark: glm-base (108.9 M parameters) on 2 ranks, 128 prompt + 128 answer tokens, batch 2,
 # 1 warm-up step, from a clean checkout at one commit (refused otherwise: curated evidence names one commit and
-# no uncommitted code). Sized for one night of a 2-core machine (about 8 hours, docs/results.md): 3 seeds where
-# a verdict or a decision-tree leaf reads the cell, 1 seed where only a table or a figure does.
+# no uncommitted code). Sized for one night of a 2-core machine: about 9.5 hours, from the run times measured at
+# a5a0ece258c5 (minutes per run, prerequisites cached: SFT 1.2, RM 3.5 (its held-out evaluation 1.8), PPO
+# DS-Chat 6.4, coati 10.2, trlx 14-17, TRL about 9; ZeRO-3 about 2x, glm-large about 3x). 3 seeds where a
+# verdict or a decision-tree leaf reads the cell, 1 seed where only a table, a figure or the planner's
+# calibration (fitted on seed 1) does: the tree takes each framework's fastest cell among those with 3 seeds,
+# so a single-seed cell never decides a leaf.
 #
 # Blocks, in the order they run (a partial night leaves the verdicts' cells done first):
 #   A2  bf16 full fine-tuning at ZeRO-2, SFT, RM and PPO, every framework, 3 seeds     (A1-A3, the tree, B10's base)
-#   A3  PPO at ZeRO-3, 3 seeds (coati's Gemini needs CUDA: `unsupported` in seconds)   (A7, the tree)
-#   A0  PPO at ZeRO-0, every framework, 3 seeds                                       (the tree's full leaf)
-#   B   LoRA 64 at ZeRO-2: PPO 3 seeds, SFT and RM 1 seed (TRL runs no LoRA here)     (A4, A8, the LoRA leaf)
-#   Z   SFT and RM at ZeRO-0 and ZeRO-3, 1 seed                                       (the ZeRO tables and figure)
-#   C   each framework's upstream precision (dschat and coati fp16, 8 steps; trlx fp32) at ZeRO-2, full: PPO 3
-#       seeds, SFT and RM 1 seed                                                      (A5, the fp16 / fp32 leaves)
-#   D   PPO on 1 rank, bf16 ZeRO-2, 3 seeds                                           (the tree's ranks question)
-#   Q   B10's memory: PPO with reference and reward in int8 (torchao), 3 seeds; bitsandbytes 1 seed (A2's PPO
-#       cells are the unquantized side)
+#   A3  PPO at ZeRO-3: DS-Chat 3 seeds, coati (its Gemini needs CUDA: `unsupported` in seconds)   (A7)
+#   B   LoRA 64 at ZeRO-2: PPO DS-Chat and coati 3 seeds, trlx 1; SFT and RM 1 seed    (A4, A8, the LoRA leaf)
+#   Q   B10's memory: DS-Chat PPO with reference and reward in int8, torchao 3 seeds, bitsandbytes 1 (A2's
+#       DS-Chat PPO is the unquantized side)
+#   C   each framework's upstream precision at ZeRO-2: DS-Chat and coati fp16 (8 steps: the loss scale calibrates)
+#       SFT 3 seeds, RM and PPO 1 seed; trlx fp32 SFT, RM and PPO 1 seed             (A5, the fp16 / fp32 leaves)
+#   D   PPO on 1 rank, bf16 ZeRO-2, 1 seed                                            (the tree's ranks question)
+#   A0  PPO at ZeRO-0, every framework, 1 seed                                        (the ZeRO tables, the planner)
+#   Z   SFT and RM at ZeRO-0 (every framework) and ZeRO-3, 1 seed                     (the ZeRO tables, B3)
 #   G   A14: DS-Chat SFT with allgather_bucket_size 5e8 against 5e7 (6 steps), 3 seeds
 #   E   fp16 SFT at lr=1000, 1 seed, tagged forced-failure                            (the stability table)
-#   F   glm-large PPO bf16 ZeRO-2, 1 seed                                             (the memory model's other model)
+#   F   glm-large, 1 seed: DS-Chat PPO, coati and trlx SFT                           (the memory model's other model)
 #   P   bench.perf: SFT bf16 ZeRO-2 against the plain-PyTorch reference, 3 rounds     (the perf example)
 # and the claims pairs on the tiny model (1 rank, bf16 ZeRO-2, 3 seeds), the claims example:
-#   K   B10's accuracy: reference and reward in int8 (torchao) against none, 120 PPO steps (reward and KL curves)
-#   N   A13: reward.normalize=zscore against none, 120 PPO steps (steps until the preferred-token share rises)
+#   K   B10's accuracy: DS-Chat with reference and reward in int8 (torchao) against none, 120 PPO steps
+#   N   A13: DS-Chat with reward.normalize=zscore against none, 120 PPO steps (steps until the reward rises)
 #   L   A15: LoRA 16 on qkv against all targets, and at qkv lora_alpha 8 against the default, SFT and RM 40 steps
 #
 # Runs land in results/sweeps/glm-base-<commit> and claims-<commit>; re-running at the same commit resumes
@@ -36,12 +40,13 @@
 # `bench.run --dry-run` (and bench.perf's), and writes nothing: no worktree, no pending copies, no examples.
 #
 # The runs come from a git worktree of the commit under results/worktrees/ (its ignored results/ subfolders
-# linked to this checkout's), with this checkout's .venv: every record reads its code state when it starts, so
+# linked to this checkout's), with this checkout's .venv and this checkout's block list (which cells run is the
+# sweep's design, not the measured code; the records name the worktree's commit): every record reads its code state when it starts, so
 # editing or committing in this checkout while the sweep runs changes nothing it records. COMMIT=<sha> runs the
 # sweep at that commit whatever is checked out (default HEAD, which must then be clean), so a sweep that spans
 # sessions finishes at the commit it began at while the branch moves on.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "${SWEEP_TREE:-$(dirname "$0")/..}"
 export OMP_NUM_THREADS=1
 here=$(pwd)
 python=${PYTHON:-$here/.venv/bin/python}
@@ -80,7 +85,8 @@ if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktr
     [ -L "$tree/results/$sub" ] || ln -s "$here/results/$sub" "$tree/results/$sub"
   done
   # the worktree's own pending folder is a tracked path there: its copies go to this checkout's
-  cd "$tree" && exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" bash scripts/glm_sweep.sh
+  exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" SWEEP_TREE="$here/$tree" \
+    bash "$here/scripts/glm_sweep.sh" "$@"
 fi
 if [ "$dry" = 0 ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then  # the worktree: nobody edits it
   echo "glm_sweep.sh: the worktree $here has uncommitted changes; remove it (git worktree remove --force)" >&2
@@ -88,7 +94,7 @@ if [ "$dry" = 0 ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; th
 fi
 curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
 commit=${full:0:12}
-all_blocks="A2 A3 A0 B Z C D Q G E F P K N L"
+all_blocks="A2 A3 B Q C D A0 Z G E F P K N L"
 blocks=${BLOCKS:-$all_blocks}
 # Two sweeps: glm-base (blocks A2-F, and P's perf runs beside it) and the tiny model's claims pairs (K, N, L)
 for kind in glm-base claims; do
@@ -102,6 +108,7 @@ done
 common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
 all=dschat,colossalai,trlx,trl
 three=dschat,colossalai,trlx
+two=dschat,colossalai
 # sweep KIND OVERRIDES...: one Hydra multirun into results/sweeps/KIND-<commit> (a key may appear once per call);
 # then each run's closing save is deleted and the finished records are copied to the pending folder
 sweep() { local kind=$1; shift
@@ -124,35 +131,36 @@ for block in $blocks; do
     A2) for stage in sft rm ppo; do
           glm glm-base 2 framework=$all stage=$stage steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3
         done ;;
-    A3) glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=3 lora=0 seed=1,2,3 ;;
-    A0) glm glm-base 2 framework=$all stage=ppo steps=4 precision=bf16 zero=0 lora=0 seed=1,2,3 ;;
-    B)  glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=64 seed=1,2,3
+    A3) glm glm-base 2 framework=$two stage=ppo steps=4 precision=bf16 zero=3 lora=0 seed=1,2,3 ;;
+    B)  glm glm-base 2 framework=$two stage=ppo steps=4 precision=bf16 zero=2 lora=64 seed=1,2,3
+        glm glm-base 2 framework=trlx stage=ppo steps=4 precision=bf16 zero=2 lora=64 seed=1
         glm glm-base 2 framework=$three stage=sft,rm steps=4 precision=bf16 zero=2 lora=64 seed=1 ;;
-    Z)  glm glm-base 2 framework=$all stage=sft,rm steps=4 precision=bf16 zero=0 lora=0 seed=1
-        glm glm-base 2 framework=$three stage=sft,rm steps=4 precision=bf16 zero=3 lora=0 seed=1 ;;
+    Q)  glm glm-base 2 framework=dschat stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3 \
+          reference.quant=int8 reward.quant=int8 quant_library=torchao
+        glm glm-base 2 framework=dschat stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 \
+          reference.quant=int8 reward.quant=int8 quant_library=bitsandbytes ;;
     C)  # 8 fp16 steps: DeepSpeed's and ColossalAI's loss scale (2^16, halved per overflow) calibrates within the
         # stability rules' allowance
-        glm glm-base 2 framework=dschat,colossalai stage=ppo steps=8 precision=fp16 zero=2 lora=0 seed=1,2,3
-        glm glm-base 2 framework=dschat,colossalai stage=sft,rm steps=8 precision=fp16 zero=2 lora=0 seed=1
-        glm glm-base 2 framework=trlx stage=ppo steps=4 precision=fp32 zero=2 lora=0 seed=1,2,3
-        glm glm-base 2 framework=trlx stage=sft,rm steps=4 precision=fp32 zero=2 lora=0 seed=1 ;;
-    D)  glm glm-base 1 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3 ;;
-    Q)  glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1,2,3 \
-          reference.quant=int8 reward.quant=int8 quant_library=torchao
-        glm glm-base 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 \
-          reference.quant=int8 reward.quant=int8 quant_library=bitsandbytes ;;
+        glm glm-base 2 framework=$two stage=sft steps=8 precision=fp16 zero=2 lora=0 seed=1,2,3
+        glm glm-base 2 framework=$two stage=rm,ppo steps=8 precision=fp16 zero=2 lora=0 seed=1
+        glm glm-base 2 framework=trlx stage=sft,rm,ppo steps=4 precision=fp32 zero=2 lora=0 seed=1 ;;
+    D)  glm glm-base 1 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
+    A0) glm glm-base 2 framework=$all stage=ppo steps=4 precision=bf16 zero=0 lora=0 seed=1 ;;
+    Z)  glm glm-base 2 framework=$all stage=sft,rm steps=4 precision=bf16 zero=0 lora=0 seed=1
+        glm glm-base 2 framework=$three stage=sft,rm steps=4 precision=bf16 zero=3 lora=0 seed=1 ;;
     G)  glm glm-base 2 framework=dschat stage=sft steps=6 precision=bf16 zero=2 lora=0 seed=1,2,3 \
           ds.allgather_bucket_size=50000000,500000000 ;;
     E)  glm glm-base 2 framework=$three stage=sft steps=4 precision=fp16 zero=2 lora=0 lr=1000 seed=1 \
           "tags=[forced-failure]" ;;
-    F)  glm glm-large 2 framework=$three stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
+    F)  glm glm-large 2 framework=dschat stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1
+        glm glm-large 2 framework=colossalai,trlx stage=sft steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
     P)  "$python" -m bench.perf $([ "$dry" = 1 ] && echo --dry-run) --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
           precision=bf16 zero=2 lora=0 prompt_len=128 answer_len=128 batch=2 steps=4 warmup_steps=1 \
           stage_steps.rm=5 ;;
-    K)  tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=none reward.quant=none
-        tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=int8 reward.quant=int8 \
+    K)  tiny framework=dschat stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=none reward.quant=none
+        tiny framework=dschat stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=int8 reward.quant=int8 \
           quant_library=torchao ;;
-    N)  tiny framework=$three stage=ppo steps=120 lora=0 seed=1,2,3 reward.normalize=none,zscore ;;
+    N)  tiny framework=dschat stage=ppo steps=120 lora=0 seed=1,2,3 reward.normalize=none,zscore ;;
     L)  tiny framework=$three stage=sft,rm steps=40 lora=16 seed=1,2,3 lora_targets=qkv,all
         tiny framework=$three stage=sft,rm steps=40 lora=16 seed=1,2,3 lora_targets=qkv lora_alpha=8 ;;
     *)  echo "unknown block $block (blocks: $all_blocks)" >&2; exit 2 ;;
