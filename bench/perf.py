@@ -12,8 +12,9 @@ Every run is `python -m bench.run` (its own process tree) into <output_root>/per
 chosen model, except glm-base, which runs the CPU benchmark's shape (scripts/glm_sweep.sh: 128 + 128 tokens,
 batch 2, 1 warm-up + 3 timed steps); a user's overrides win over both. Every run's command line is checked
 before the first starts; a run that fails is named with its record's reason and the rest go on. The ratio
-table (bench/report/yardstick.py) is printed and written to perf.md; the exit status is 1 when a run failed
-or no ratio could be formed, 2 when a command line is invalid. `python -m bench.report <output_root>/perf/<name>`
+table (bench/report/yardstick.py) is printed and written to perf.md (on Ctrl-C too, of the runs finished by
+then); the exit status is 1 when a run failed or no ratio could be formed, 2 when a command line is invalid,
+130 when interrupted. `python -m bench.report <output_root>/perf/<name>`
 builds the whole report from the same runs.
 """
 
@@ -155,14 +156,19 @@ def main(argv: list[str] | None = None) -> int:
         os.makedirs(out, exist_ok=True)
         with open(os.path.join(out, "perf.md"), "w") as f:  # the folder and what it is for, before any run
             f.write(heading + f"Running: {len(runs)} runs, started {time.strftime('%Y-%m-%d %H:%M:%S')}.\n")
-    outcomes = []
+    outcomes, interrupted = [], False
     for i, (seed, framework) in enumerate(runs, 1):
         command = [sys.executable, "-m", "bench.run", *run_command(settings, out, seed, framework)]
         print(f"[{i}/{len(runs)}] round {seed}: {framework}", flush=True)
         if args.dry_run:
             print("    python " + " ".join(command[1:]))
             continue
-        done = subprocess.run(command, check=False, cwd=REPO)
+        try:
+            done = subprocess.run(command, check=False, cwd=REPO)
+        except KeyboardInterrupt:  # the runs before this one keep their table
+            interrupted = True
+            print(f"\ninterrupted in run {i} of {len(runs)}: the table below is of the runs before it", flush=True)
+            break
         outcomes.append(outcome(out, seed, framework, done.returncode))
         if outcomes[-1].status != "ok":
             print(f"    {framework} round {seed}: {outcomes[-1].status} ({outcomes[-1].why})", flush=True)
@@ -173,10 +179,13 @@ def main(argv: list[str] | None = None) -> int:
     tables = yardstick_tables(collection.rows, collection.cells)
     text = "".join(_markdown(t) for t in tables) or "No cell holds both the reference and a framework that finished.\n"
     failures = _failures(outcomes)
+    stopped = f"Interrupted after {len(outcomes)} of {len(runs)} runs.\n\n" if interrupted else ""
     with open(os.path.join(out, "perf.md"), "w") as f:
-        f.write(heading + text + ("\n" + failures if failures else ""))
+        f.write(heading + stopped + text + ("\n" + failures if failures else ""))
     print(text + ("\n" + failures if failures else ""))
     print(f"written: {os.path.join(out, 'perf.md')}")
+    if interrupted:
+        return 130
     return 0 if tables and not failures else 1
 
 

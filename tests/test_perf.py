@@ -64,6 +64,29 @@ def test_failed_runs_are_named_with_their_records_reason_and_the_exit_is_not_zer
     assert "No cell holds both the reference" in written and "| 1 | torch | oom |" in written
 
 
+def test_an_interrupt_keeps_the_table_of_the_runs_before_it(tmp_path, monkeypatch, capsys):
+    calls = []
+
+    def interrupted_run(command, check, cwd):  # the first run leaves a record, Ctrl-C comes in the second
+        del check, cwd
+        calls.append(command)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        args = dict(a.split("=", 1) for a in command[3:])
+        os.makedirs(os.path.join(args["output_root"], "runs", args["run_name"]))
+        with open(os.path.join(args["output_root"], "runs", args["run_name"], "record.json"), "w") as f:
+            json.dump({"status": "error", "error": {"message": "stopped"}}, f)
+        return subprocess.CompletedProcess(command, 1)
+
+    monkeypatch.setattr(perf.subprocess, "run", interrupted_run)
+    code = perf.main(["--rounds", "1", "--frameworks", "dschat,torch", "--name", "i", f"output_root={tmp_path}",
+                      "model=tiny"])
+    assert code == 130 and len(calls) == 2
+    assert "interrupted in run 2 of 2" in capsys.readouterr().out
+    written = (tmp_path / "perf" / "i" / "perf.md").read_text()
+    assert "Interrupted after 1 of 2 runs." in written and "| 1 | dschat | error | 1 | stopped |" in written
+
+
 def test_ratios_need_the_reference(capsys):
     with pytest.raises(SystemExit):
         perf.main(["--frameworks", "dschat,trlx", "--dry-run"])
