@@ -268,6 +268,16 @@ def test_every_page_is_read_and_every_command_has_a_runner_in_both_tiers(tmp_pat
             form(shown, tier, "DIR", str(tmp_path))
 
 
+def test_every_script_a_page_names_exists():
+    """A script the README or a page names (run or described) is in scripts/; the framework pages are left out:
+    their `scripts/...` paths are upstream's (DeepSpeed-Chat's training/step3_rlhf_finetuning/..., coati's)."""
+    ours = [p for p in pages() if "frameworks" not in p.parts]
+    named = {m for p in ours for m in re.findall(r"\bscripts/[\w*.-]*\w", p.read_text())}
+    assert len(named) >= 10, named
+    missing = sorted(name for name in named if not list(REPO.glob(name)))
+    assert not missing, f"pages name scripts that are not in the repository: {missing}"
+
+
 @pytest.mark.engine
 def test_every_documented_command_runs_as_shown(records, tmp_path, capsys):
     """CI's form of every command, two at a time (one core each); the list, with exits and times, printed."""
