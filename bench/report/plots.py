@@ -305,7 +305,10 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     return [Figure(_save(fig, directory, "ppo_memory_timeline"),
                    "PPO memory over time, one run per framework at one shared configuration: each step's phases in "
                    "the same slots for every framework, so a phase compares across frameworks; value = the phase's "
-                   "absolute peak (MiB, max over ranks), y from 0.")]
+                   "absolute peak (MiB, max over ranks), y from 0. A phase with no point was not measured in that "
+                   "step: it started above its own floor and the heap was not handed back first, so it records only "
+                   "an upper bound (memory_release_every: the first two runs of a phase and at least one in every "
+                   "4 are measured).")]
 
 
 Curves = dict[str, dict[str, list[list[float]]]]  # panel title -> cell label -> one curve per run
