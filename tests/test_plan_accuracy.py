@@ -14,7 +14,10 @@ CELL = ["model=glm-base", "prompt_len=64", "answer_len=96", "batch=3", "launcher
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("framework, stage", [("dschat", "sft"), ("trlx", "sft"), ("colossalai", "rm")])
+@pytest.mark.parametrize("framework, stage", [
+    ("dschat", "sft"), ("trlx", "sft"), ("colossalai", "sft"),
+    # CI time: RM's held-out scoring (2 x 8 batches per rank) made this the suite's longest test, 161 s
+    pytest.param("colossalai", "rm", marks=pytest.mark.slow)])
 def test_predicted_phase_growth_is_within_15_percent(run_bench, framework, stage):
     record = run_bench(f"framework={framework}", f"stage={stage}", *CELL)
     assert record["status"] == "ok", record["error"]
