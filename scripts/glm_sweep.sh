@@ -33,7 +33,8 @@
 # records are copied to results/pending/<sweep>/ (kept by git), and a sweep starts by copying them back: a sweep
 # that spans several sessions (or machines) commits that folder when it stops and resumes from it. At the end
 # (every block run) the records become results/examples/glm-base and results/examples/claims, the perf run
-# results/examples/perf-glm-base-sft, their reports are rebuilt and the pending folders removed. Each run's
+# results/examples/perf-glm-base-sft, their reports are rebuilt by this checkout's code and the pending folders
+# removed. Each run's
 # closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache).
 #
 # `bash scripts/glm_sweep.sh --dry-run` prints every cell the sweep would run, each checked by this checkout's
@@ -175,7 +176,8 @@ if [ "$blocks" = "$all_blocks" ]; then  # the whole night is done: it becomes th
     example=$curated/examples/$kind
     rm -rf "$example" && mkdir -p "$example"
     (cd "results/sweeps/$kind-$commit" && find . -name record.json -exec cp --parents {} "$example/" \;)
-    "$python" -m bench.report "$example" --out "$example/report"
+    # the report with the calling checkout's code (the current rules), not the measured commit's
+    (cd "$curated/.." && "$python" -m bench.report "$example" --out "$example/report")
     rm -rf "$curated/pending/$kind-$commit"
   done
   perf=$curated/examples/perf-glm-base-sft
