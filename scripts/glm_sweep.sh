@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The curated CPU benchmark: glm-base (108.9 M parameters) on 2 ranks, 128 prompt + 128 answer tokens, batch 2,
 # 1 warm-up step, from a clean checkout at one commit (refused otherwise: curated evidence names one commit and
-# no uncommitted code). Sized for one night of a 2-core machine: about 9.5 hours, from the run times measured at
+# no uncommitted code). Sized for one night of a 2-core machine: about 10 hours, from the run times measured at
 # a5a0ece258c5 (minutes per run, prerequisites cached: SFT 1.2, RM 3.5 (its held-out evaluation 1.8), PPO
-# DS-Chat 6.4, coati 10.2, trlx 14-17, TRL about 9; ZeRO-3 about 2x, glm-large about 3x). 3 seeds where a
+# DS-Chat 6.4, coati 10.2, trlx 19.5, TRL about 9; ZeRO-3 about 2x, glm-large about 3x). 3 seeds where a
 # verdict or a decision-tree leaf reads the cell, 1 seed where only a table, a figure or the planner's
 # calibration (fitted on seed 1) does: the tree takes each framework's fastest cell among those with 3 seeds,
 # so a single-seed cell never decides a leaf.
