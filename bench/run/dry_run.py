@@ -11,11 +11,13 @@ cells are listed: the real sweep keeps an `unsupported` record for each and goes
 from __future__ import annotations
 
 import itertools
+import shlex
+import sys
 from dataclasses import dataclass
 
 from rich.console import Console
 
-from bench.run.cli_checks import MULTIRUN_FLAGS
+from bench.run.cli_checks import MULTIRUN_FLAGS, check_command_line
 from bench.run.config import compose
 from bench.run.spec import RunSpec, SpecError, UnsupportedError, spec_from_config
 
@@ -84,10 +86,6 @@ def dry_run(args: list[str], console: Console) -> int:
 def main(lines: list[str], console: Console) -> int:
     """Dry runs of many command lines in one process (scripts/glm_sweep.sh --dry-run): each line holds one
     `bench.run` argument list, shell-quoted. The exit status is the worst of theirs."""
-    import shlex
-
-    from bench.run.cli_checks import check_command_line
-
     worst = 0
     for line in lines:
         args = shlex.split(line)
@@ -105,6 +103,4 @@ def main(lines: list[str], console: Console) -> int:
 
 
 if __name__ == "__main__":
-    import sys
-
     sys.exit(main(sys.stdin.read().splitlines(), Console()))
