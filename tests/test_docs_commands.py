@@ -325,8 +325,11 @@ def test_a_documented_command_runs_for_real_at_its_smallest_size(shown, records,
 
 
 @pytest.mark.parametrize("shown", USAGES, ids=_id)
-def test_a_usage_synopsis_names_keys_that_exist_and_every_choice_of_a_group(shown):
+def test_a_usage_synopsis_names_keys_that_exist_and_every_choice_of_a_group(shown, tmp_path):
     groups, defaults = config_groups(), compose([])
+    # a preset with a mandatory value of its own is checked with one: model=checkpoint needs a checkpoint
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    companions = {"model=checkpoint": [f"model.path={tmp_path}"]}
     for key, values in usage_options(shown):
         if key in groups:  # a config group's alternatives are all of its presets
             assert sorted(values) == sorted(groups[key]), (
@@ -336,7 +339,7 @@ def test_a_usage_synopsis_names_keys_that_exist_and_every_choice_of_a_group(show
             if value.isupper():  # a value the reader picks (lora=RANK): the key must exist; its default is taken
                 value = "null" if default is None else str(default).lower() if isinstance(default, bool) \
                     else str(default)
-            cell = check_cell([f"{key}={value}"])
+            cell = check_cell([f"{key}={value}", *companions.get(f"{key}={value}", [])])
             assert cell.outcome != "invalid", f"{shown.where}: {key}={value}: {cell.detail}"
 
 

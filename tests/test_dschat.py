@@ -219,7 +219,7 @@ def test_a_failing_run_is_a_record_not_a_crash(run_bench, tmp_path):
     checkpoint = tmp_path / "no-weights"  # passes validation (a GPT-2 config), fails when the model loads
     checkpoint.mkdir()
     (checkpoint / "config.json").write_text('{"model_type": "gpt2"}')
-    record = run_bench("stage=sft", f"model.path={checkpoint}", TORCH_ADAMW)
+    record = run_bench("stage=sft", "model=checkpoint", f"model.path={checkpoint}", TORCH_ADAMW)
     assert record["status"] == "error"
     error = record["stages"]["sft"]["error"]
     assert error["phase"] == "init" and "no-weights" in error["message"]
@@ -343,7 +343,8 @@ def test_local_hugging_face_checkpoint_via_model_path(run_bench, tmp_path):
     checkpoint = tmp_path / "local-gpt2"
     GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=2, vocab_size=256, n_positions=64)).save_pretrained(
         checkpoint)
-    record = run_bench("stage=sft", f"model.path={checkpoint}", "steps=4", "warmup_steps=1", TORCH_ADAMW)
+    record = run_bench("stage=sft", "model=checkpoint", f"model.path={checkpoint}", "steps=4", "warmup_steps=1",
+                       TORCH_ADAMW)
     sft = record["stages"]["sft"]
     assert sft["status"] == "ok", sft["error"]
     # the checkpoint's own size, worked by hand (not model=tiny's): token and position tables 256 x 64 + 64 x 64;

@@ -12,7 +12,7 @@ from adapters.dschat import memory as dschat
 from adapters.dschat.options import DSChatOptions, lora_module_names
 from adapters.lora_targets import lora_layout
 from adapters.trlx import memory as trlx
-from bench.plan.physics import Arch, lora_linear_inputs
+from bench.plan.physics import Arch
 from bench.plan.run_shape import RunShape
 from bench.report.claims import CONTRADICTED, NOT_MEASURED, SUPPORTED, lora_practice
 from bench.run.config import compose
@@ -28,41 +28,61 @@ def spec(*overrides: str):
 
 
 def test_spec_resolves_sets_and_lists_and_names_bad_values() -> None:
-    assert spec("lora=4", "lora_targets=all").lora_target_set == ("qkv", "attn_out", "mlp_in", "mlp_out")
-    assert spec("lora=4", "lora_targets=attention").lora_target_set == ("qkv", "attn_out")
-    assert spec("lora=4", "lora_targets=[mlp_out,qkv]").lora_target_set == ("qkv", "mlp_out")  # block order
+    # GPT-2 (the GLM stand-in): no gate map, q/k/v fused in c_attn
+    assert spec("lora=4", "lora_targets=all").lora_target_set == ("q", "k", "v", "o", "up", "down")
+    assert spec("lora=4", "lora_targets=attention").lora_target_set == ("q", "k", "v", "o")
+    assert spec("lora=4", "lora_targets=mlp").lora_target_set == ("up", "down")
+    assert spec("lora=4", "lora_targets=[mlp_out,qkv]").lora_target_set == ("q", "k", "v", "down")  # block order
+    assert spec("lora=4", "lora_targets=[mlp_in]").lora_target_set == ("up",)
     assert spec("lora=4").lora_target_set is None  # the framework's default
     assert spec("lora=4", "lora_alpha=8").lora_alpha_or(32.0) == 8.0
     assert spec("lora=4").lora_alpha_or(32.0) == 32.0
-    for bad, message in [("lora_targets=mlp", "choose one of: all, attention, qkv"),
-                         ("lora_targets=[qkv,gate]", "'gate' is not allowed"),
-                         ("lora_targets=[qkv,qkv]", "names a layer twice"),
+    # Llama: seven separate maps; GLM-4: gate and up fused
+    assert spec("model=tiny-llama", "lora=4", "lora_targets=[v,q]").lora_target_set == ("q", "v")
+    assert spec("model=tiny-llama", "lora=4", "lora_targets=all").lora_target_set == (
+        "q", "k", "v", "o", "gate", "up", "down")
+    assert spec("model=tiny-glm4", "lora=4", "lora_targets=[mlp_in]").lora_target_set == ("gate", "up")
+    for bad, message in [("lora_targets=mlps", "choose one of: all, attention, mlp, qkv"),
+                         ("lora_targets=[qkv,gate]", "the gpt2 family has no 'gate' map"),
+                         ("lora_targets=[q,v]", r"computes q, k, v in one module \(attn.c_attn\)"),
+                         ("lora_targets=[qkv,q]", "names a layer twice"),
+                         ("lora_targets=[w]", "'w' is not allowed"),
                          ("lora_targets=[]", "non-empty list"),
                          ("lora_alpha=0", "lora_alpha=0 must be a positive number")]:
         with pytest.raises(SpecError, match=message):
             spec("lora=4", bad)
+    with pytest.raises(SpecError, match=r"computes gate, up in one module \(mlp.gate_up_proj\)"):
+        spec("model=tiny-glm4", "lora=4", "lora_targets=[gate]")
     with pytest.raises(SpecError, match="lora=0 trains without them"):
         spec("lora_targets=qkv")
 
 
 def test_lora_parameters_per_target_set_by_hand() -> None:
-    # glm-base, h 768, 12 blocks, rank 64: r * h * 12 * (d_in + d_out in h): qkv 4, attn_out 2, mlp_in 5, mlp_out 5
+    # glm-base, h 768, 12 blocks, rank 64: r * h * 12 * (d_in + d_out in h): c_attn 4, attn c_proj 2, c_fc 5,
+    # mlp c_proj 5
     assert GLM_BASE.lora_params(64) == 9_437_184  # 16 r h per block
-    assert GLM_BASE.lora_params(64, ("qkv",)) == 2_359_296
-    assert GLM_BASE.lora_params(64, ("attn_out", "mlp_out")) == 64 * 768 * 12 * 7 == 4_128_768
-    assert GLM_BASE.block_weights(("qkv",)) == 768 ** 2 * 12 * 3 == 21_233_664
+    assert GLM_BASE.lora_params(64, ("q", "k", "v")) == 2_359_296
+    assert GLM_BASE.lora_params(64, ("o", "down")) == 64 * 768 * 12 * 7 == 4_128_768
+    assert GLM_BASE.block_weights(("q", "k", "v")) == 768 ** 2 * 12 * 3 == 21_233_664
     assert GLM_BASE.block_weights() == 84_934_656  # 12 h^2 per block
-    assert lora_linear_inputs(("qkv", "mlp_out")) == 5 and lora_linear_inputs(("qkv", "attn_out", "mlp_in",
-                                                                               "mlp_out")) == 7
+    assert GLM_BASE.linear_inputs(("q", "k", "v", "down")) == 5 and GLM_BASE.linear_inputs() == 7
 
 
 def test_dschat_takes_one_substring_where_one_selects_the_set() -> None:
-    assert lora_module_names(None, "h.") == ("h.",) == lora_module_names(("qkv", "attn_out", "mlp_in", "mlp_out"),
-                                                                          "h.")
-    assert lora_module_names(("qkv",), "h.") == ("attn.c_attn",)
-    assert lora_module_names(("qkv", "attn_out"), "h.") == ("attn.",)
-    assert lora_module_names(("mlp_in", "mlp_out"), "h.") == ("mlp.",)
-    assert lora_module_names(("qkv", "mlp_out"), "h.") == ("attn.c_attn", "mlp.c_proj")  # a harness extension
+    everything = ("q", "k", "v", "o", "up", "down")
+    assert lora_module_names(None, "h.") == ("h.",) == lora_module_names(everything, "h.")
+    assert lora_module_names(("q", "k", "v"), "h.") == ("attn.c_attn",)
+    assert lora_module_names(("q", "k", "v", "o"), "h.") == ("attn.",)
+    assert lora_module_names(("up", "down"), "h.") == ("mlp.",)
+    assert lora_module_names(("q", "k", "v", "down"), "h.") == ("attn.c_attn", "mlp.c_proj")  # a harness extension
+    # Llama-style: the scripts' "layers." for all, the attention and MLP prefixes, one module's own name
+    assert lora_module_names(None, "layers.", "llama") == ("layers.",)
+    assert lora_module_names(("q", "k", "v", "o"), "layers.", "llama") == ("self_attn.",)
+    assert lora_module_names(("gate", "up", "down"), "layers.", "qwen2") == ("mlp.",)
+    assert lora_module_names(("q",), "layers.", "llama") == ("self_attn.q_proj",)
+    assert lora_module_names(("q", "v"), "layers.", "llama") == ("self_attn.q_proj", "self_attn.v_proj")
+    assert lora_module_names(("gate", "up"), "layers.", "glm") == ("mlp.gate_up_proj",)
+    assert DSChatOptions().module_name("llama") == "layers." and DSChatOptions().module_name("gpt2") == "h."
     tagged = [e["knob"] for e in DSChatOptions.harness_extensions(spec("lora=4", "lora_targets=[qkv,mlp_out]",
                                                                        "lora_alpha=2"))]
     assert tagged == ["lora_targets=('qkv', 'mlp_out')", "lora_alpha=2"]
@@ -71,13 +91,16 @@ def test_dschat_takes_one_substring_where_one_selects_the_set() -> None:
 
 def test_coati_matches_a_childs_own_name() -> None:
     # GPT-2 names the attention output and the MLP output both c_proj: either target converts both
-    assert matched_layers(("qkv",)) == ("qkv",)
-    assert matched_layers(("attn_out",)) == ("attn_out", "mlp_out")
-    assert matched_layers(("qkv", "mlp_in")) == ("qkv", "mlp_in")
+    assert matched_layers(("q", "k", "v")) == ("q", "k", "v")
+    assert matched_layers(("o",)) == ("o", "down")
+    assert matched_layers(("q", "k", "v", "up")) == ("q", "k", "v", "up")
+    # Llama's names are distinct: the rule converts exactly the targets
+    assert matched_layers(("o",), "llama") == ("o",)
+    assert matched_layers(("q", "v"), "qwen2") == ("q", "v")
 
 
-def shape(framework: str, stage: str, *overrides: str) -> RunShape:
-    config = compose([f"framework={framework}", f"stage={stage}", "model=glm-base", "lora=64", *overrides])
+def shape(framework: str, stage: str, *overrides: str, model: str = "glm-base") -> RunShape:
+    config = compose([f"framework={framework}", f"stage={stage}", f"model={model}", "lora=64", *overrides])
     return RunShape.from_spec(spec_from_config(config), stage)
 
 
@@ -97,29 +120,51 @@ def test_memory_models_count_lora_per_target_set_by_hand() -> None:
         base + 10_619_905, 10_619_905)
 
 
+def test_memory_models_count_a_llama_model_by_hand() -> None:
+    # llama-base: 12 blocks of h 768, 4 K/V heads of 64 (kv width 256), SwiGLU 2048, vocab 32,000, untied
+    base, head = 124_668_672, 32_000 * 768
+    # rank 64 on all seven maps, per block: q, o r(768 + 768) = 98,304 each; k, v r(768 + 256) = 65,536 each;
+    # gate, up, down r(768 + 2048) = 180,224 each: 868,352, x 12 = 10,420,224; their weights 6,291,456 a block
+    adapters, weights = 10_420_224, 75_497_472
+    assert dschat.role_params(shape("dschat", "sft", model="llama-base"), "actor", 64) == (
+        base + adapters, base + adapters - weights)
+    # DS-Chat's critic: the backbone (no LM head) and a bias-free value head, LoRA off (critic_lora_dim 0)
+    assert dschat.role_params(shape("dschat", "ppo", model="llama-base"), "critic", 0) == (base - head + 768,) * 2
+    # coati: + the embedding's r(32,000 + 768) and the LM head's r(768 + 32,000) = 2,097,152 each; no biases
+    assert coati.role_params(shape("colossalai", "sft", model="llama-base"), "actor", 64) == (
+        base + adapters + 2 * 2_097_152, adapters + 2 * 2_097_152)
+    # trlx, peft's Llama default q and v: 12 x (98,304 + 65,536) = 1,966,080
+    assert trlx.role_params(shape("trlx", "sft", model="llama-base"), "sft", 64) == (base + 1_966_080, 1_966_080)
+    # trlx PPO without LoRA, hydra of 2: the top 2 blocks (6,292,992 each), the final norm, the untied head
+    # (24,576,000) and the value head (1,182,721) train; the branch copies 2 blocks, the norm and the head
+    no_lora = shape("trlx", "ppo", "lora=0", model="llama-base")
+    trained = 2 * 6_292_992 + 768 + head + 1_182_721
+    assert trlx.role_params(no_lora, "ppo", 0) == (base + 2 * 6_292_992 + 768 + head + 1_182_721, trained)
+
+
 def test_lora_layout_reads_each_implementation() -> None:
     from adapters.colossalai.lora import convert_to_lora as coati_convert
     from adapters.colossalai.options import LoraOptions
     from adapters.dschat.lora import convert_to_lora as dschat_convert
 
     ds = build_causal_lm(MODEL)
-    dschat_convert(ds, lora_module_names(("qkv", "attn_out"), "h."), 4, lora_scaling=2.0)
+    dschat_convert(ds, lora_module_names(("q", "k", "v", "o"), "h."), 4, lora_scaling=2.0)
     co = build_causal_lm(MODEL)
     coati_convert(co, 4, LoraOptions(alpha=8.0), target_modules=["mlp.c_fc"])
     full = build_causal_lm(MODEL)
     coati_convert(full, 4, LoraOptions(alpha=8.0))
     assert lora_layout({"ds": ds, "coati": co, "full": full}) == {
-        "ds": {"targets": ["qkv", "attn_out"], "other": [], "alpha": 2.0},
-        "coati": {"targets": ["mlp_in"], "other": [], "alpha": 32.0},  # lora_alpha never reaches a linear layer
-        "full": {"targets": ["qkv", "attn_out", "mlp_in", "mlp_out"], "other": ["lm_head", "wpe", "wte"],
+        "ds": {"targets": ["q", "k", "v", "o"], "other": [], "alpha": 2.0},
+        "coati": {"targets": ["up"], "other": [], "alpha": 32.0},  # lora_alpha never reaches a linear layer
+        "full": {"targets": ["q", "k", "v", "o", "up", "down"], "other": ["lm_head", "wpe", "wte"],
                  "alpha": 32.0}}
 
 
 EXPECTED_LAYOUT = {  # lora=4 lora_targets=[qkv,mlp_out] lora_alpha=2, RM stage
-    "dschat": {"targets": ["qkv", "mlp_out"], "other": [], "alpha": 2.0},
-    "colossalai": {"targets": ["qkv", "attn_out", "mlp_out"], "other": [], "alpha": 32.0},
-    "trlx": {"targets": ["qkv", "mlp_out"], "other": [], "alpha": 2.0},
-    "torch": {"targets": ["qkv", "mlp_out"], "other": [], "alpha": 2.0},
+    "dschat": {"targets": ["q", "k", "v", "down"], "other": [], "alpha": 2.0},
+    "colossalai": {"targets": ["q", "k", "v", "o", "down"], "other": [], "alpha": 32.0},
+    "trlx": {"targets": ["q", "k", "v", "down"], "other": [], "alpha": 2.0},
+    "torch": {"targets": ["q", "k", "v", "down"], "other": [], "alpha": 2.0},
 }
 MEMORY_MODELS = {"dschat": (dschat, "reward"), "colossalai": (coati, "reward"), "trlx": (trlx, "rm")}
 

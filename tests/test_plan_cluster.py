@@ -35,10 +35,19 @@ def test_resident_bytes_by_hand():
     # offload: the optimizer states and an fp32 gradient per parameter go to the host
     r = resident(actor, Layout(dp=8, zero=2, offload=True), w)
     assert r.optimizer == 0 and r.host == pytest.approx(12 * PSI / 8 + 4 * PSI / 8)
-    # a frozen role: weights only; LoRA 8: 16 r h L factors, each with 2 + 2 + 12 bytes
+    # a frozen role: weights only; LoRA 8: 16 r h L factors, each with 2 + 2 + 12 bytes, partitioned as ZeRO
+    # partitions every trained parameter: at ZeRO-2 over 8 the weights whole, gradients and states / 8:
+    # 2 + 2/8 + 12/8 = 3.75 bytes a factor
     assert resident(Role("reference", GLM_10B), Layout(dp=8), w).device == 2 * PSI
     lora = resident(Role("actor", GLM_10B, lora=8), Layout(dp=8, zero=2), Workload(lora=8))
-    assert lora.lora == GLM_10B.lora_params(8) * 16 and lora.optimizer == 0
+    assert lora.lora == GLM_10B.lora_params(8) * 3.75 and lora.optimizer == 0
+    assert resident(Role("actor", GLM_10B, lora=8), Layout(), Workload(lora=8)).lora == GLM_10B.lora_params(8) * 16
+    # ZeRO-3 over 64 GPUs: LoRA (frozen weights 2 Psi / 64 + factors 16 / 64 each) stays far below full
+    # fine-tuning (16 Psi / 64), not above it
+    full = resident(actor, Layout(dp=64, zero=3), w)
+    lora = resident(Role("actor", GLM_10B, lora=8), Layout(dp=64, zero=3), Workload(lora=8))
+    assert lora.lora == pytest.approx(GLM_10B.lora_params(8) * 16 / 64)
+    assert lora.device < full.device / 4
 
 
 def test_training_terms_by_hand():

@@ -164,7 +164,8 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
         (["framework=foo"], ["framework='foo' is not allowed", "colossalai, dschat, torch, trl, trlx"]),
         (["-m", "framework=dschat,foo"], ["framework='foo' is not allowed"]),
         (["stage=train"], ["stage='train' is not allowed", "pipeline, ppo, rm, sft"]),
-        (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, tiny"]),
+        (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, glm4-9b, "
+                                                               "llama-base, llama3-8b, qwen2.5-7b, tiny, tiny-glm4"]),
         (["zero=4"], ["zero=4 is not allowed", "0, 1, 2, 3"]),
         (["precision=int8"], ["precision='int8'", "fp32, bf16, fp16"]),
         (["batch=two"], ["batch='two' must be an integer"]),
@@ -179,7 +180,21 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
         (["model.path=/no/such/checkpoint"], ["model.path='/no/such/checkpoint' is not a directory"]),
         (["model.path={checkpoint}"], ["holds no config.json"]),
         (["model.path={checkpoint:not json}"], ["config.json cannot be read as a JSON object"]),
-        (['model.path={checkpoint:{"model_type": "llama"}}'], ["model_type='llama'", "support gpt2"]),
+        (['model.path={checkpoint:{"model_type": "bert"}}'], ["model_type='bert'", "support gpt2, llama, qwen2, "
+                                                                                  "mistral, glm"]),
+        # a preset's dimensions beside a checkpoint that has others: refused by name, never ignored
+        (['model.path={checkpoint:{"model_type": "llama", "hidden_size": 64}}'],
+         ["model.arch='gpt2' differs from the checkpoint's 'llama'", "use model=checkpoint"]),
+        (['model=checkpoint', 'model.path={checkpoint:{"model_type": "llama", "hidden_size": 64, '
+          '"num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256, '
+          '"max_position_embeddings": 64}}', "model.hidden=128"],
+         ["model.hidden=128 differs from the checkpoint's 64"]),
+        (["model=tiny-llama", "model.kv_heads=3"], ["model.kv_heads=3 must divide model.heads=4"]),
+        (["model.kv_heads=1"], ["the gpt2 family has no grouped-query attention"]),
+        (["model=tiny-llama", "model.dropout=0.1"], ["the llama family has no dropout in its residual stream"]),
+        (["model=tiny-llama", "model.intermediate=null"], ["model.intermediate=null: the llama family has no default"]),
+        (["model.arch=bert"], ["model.arch='bert' is not allowed", "gpt2, llama, qwen2, mistral, glm"]),
+        (["model=checkpoint"], ["model=checkpoint needs model.path=DIR"]),
         (["output_root={file}/results"], ["cannot be created", "is a file, not a directory"]),
         (["bogus=1"], ["bogus is not a key of the configuration"]),
         (["framework.optimzer=sgd"], ["did you mean framework.optimizer"]),
@@ -206,11 +221,12 @@ def test_hostile_command_lines_are_refused_naming_the_value_and_what_is_allowed(
         assert text in str(err.value), str(err.value)
 
 
-def test_a_gpt2_checkpoint_directory_and_a_valid_sweep_pass_the_checks(tmp_path):
+def test_a_checkpoint_directory_and_a_valid_sweep_pass_the_checks(tmp_path):
     from bench.run.cli_checks import check_command_line
 
-    path = _checkpoint_dir(tmp_path, '{"model_type": "gpt2"}')
-    check_command_line([f"model.path={path}", f"output_root={tmp_path / 'new' / 'results'}"])
+    path = _checkpoint_dir(tmp_path, '{"model_type": "gpt2"}')  # transformers' GPT-2 defaults fill the rest
+    check_command_line(["model=checkpoint", f"model.path={path}", f"output_root={tmp_path / 'new' / 'results'}"])
+    check_command_line(["model=checkpoint", f"model.path={path}", "model.hidden=768"])  # the checkpoint's own
     check_command_line(["-m", "framework=dschat,trlx", "zero=0,2", "batch=0"])  # a sweep validates each cell
     check_command_line(["offload=true", "zero=0"])  # unsupported: the run records it
     check_command_line(["--help", "bogus=1"])  # help only prints

@@ -18,7 +18,7 @@ from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
 from adapters.comm_knobs import deepspeed_comm
 from adapters.lora_targets import suffixes
-from bench.run.models import build_backbone, build_causal_lm, count_params, set_dropout
+from bench.run.models import backbone_prefix, build_backbone, build_causal_lm, count_params, set_dropout
 
 
 class Engines:
@@ -68,7 +68,7 @@ class Engines:
             model.load_state_dict(torch.load(checkpoint, map_location="cpu", weights_only=True))
         elif backbone_from_lm:
             state = torch.load(backbone_from_lm, map_location="cpu", weights_only=True)
-            prefix = "transformer."
+            prefix = backbone_prefix(self.spec.model) + "."
             model.model.load_state_dict({k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
         return model
 
@@ -78,7 +78,7 @@ class Engines:
         targets = self.spec.lora_target_set
         options = replace(self.options.lora, alpha=self.spec.lora_alpha_or(self.options.lora.alpha))
         if targets is not None:  # LoraConfig.target_modules: matched by coati's own rule (lora.matched_layers)
-            convert_to_lora(model, self.spec.lora, options, target_modules=suffixes(targets))
+            convert_to_lora(model, self.spec.lora, options, target_modules=suffixes(targets, self.spec.model.arch))
         elif self.plugin.cls == "HybridParallelPlugin":
             # Shardformer swaps the embeddings and LM head for its padded versions and cannot swap a
             # LoRA-wrapped one ("Failed to replace wte of type LoraEmbedding"; coati users hit the same, #5507).

@@ -13,13 +13,13 @@ with AMP (`3d` at tp = pp = 1) at ZeRO-0 keeps whole fp32 master weights and mom
 gradients to fp32 at the step; LowLevelZero (ZeRO-1/2) partitions them and reduces through a 12 M-element
 bucket. LoRA (coati's own) wraps the block linears, the embeddings, the LM head and the value head (with
 lora_targets: the block linears coati's name rule matches, nothing else), drops the wrapped linears' biases
-and trains only the LoRA weights.
+and trains only the LoRA weights (norms frozen).
 """
 
 from __future__ import annotations
 
 from adapters.colossalai.lora_match import matched_layers
-from bench.plan.physics import LINEAR_INPUTS, LORA_LAYERS, Terms, lora_linear_inputs, peak, total
+from bench.plan.physics import Terms, peak, total
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
@@ -45,28 +45,39 @@ def reduce_bucket_elements(shape: RunShape) -> int:
 
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
-    """(total, trainable) parameters: the trunk, + a value head (h -> 1 with bias) for critic and reward."""
+    """(total, trainable) parameters: the causal LM, or the backbone with a value head (h -> 1 with bias) for
+    critic and reward. LoRA (train_bias none) adds r*(d_in + d_out) to every block map, the input embedding, a
+    position table, and the LM head or value head, and drops the biases of the layers it wraps; with
+    lora_targets only the block maps coati's name rule matches."""
     arch = shape.arch
     h = arch.hidden
     head = role in ("critic", "reward")
-    params = arch.total_params + (h + 1 if head else 0)
+    params = arch.backbone_params + h + 1 if head else arch.total_params
     if not lora:
         return params, params
-    if shape.lora_targets is not None:  # target_modules: the matched block linears only, their biases dropped
-        layers = matched_layers(shape.lora_targets)
+    if shape.lora_targets is not None:  # target_modules: the matched block maps only, their biases dropped
+        layers = matched_layers(shape.lora_targets, arch.family)
         added = arch.lora_params(lora, layers)
-        return params + added - h * arch.layers * sum(LORA_LAYERS[t][1] for t in layers), added
-    added = arch.lora_params(lora) + lora * (arch.vocab + h) + lora * (arch.positions + h)
+        return params + added - _biases(shape, layers), added
+    added = arch.lora_params(lora) + lora * (arch.vocab + h)
+    if arch.traits.learned_positions:
+        added += lora * (arch.positions + h)
     added += lora * (h + 1) if head else lora * (h + arch.vocab)
-    dropped_biases = 9 * h * arch.layers + (1 if head else 0)
+    dropped_biases = _biases(shape, arch.traits.meanings) + (1 if head else 0)
     return params + added - dropped_biases, added
 
 
-def _linear_inputs(shape: RunShape) -> int:
-    """What the block linears keep for gradients: all carry LoRA by default (7 h), else the matched ones."""
+def _biases(shape: RunShape, meanings: tuple[str, ...]) -> int:
+    """The biases of the block maps `meanings` name, over all blocks (GPT-2's four modules: 9h a block)."""
+    arch = shape.arch
+    return arch.layers * sum(arch.linear_shape(m)[1] for m in meanings if m in arch.traits.biased)
+
+
+def _linear_inputs(shape: RunShape) -> float:
+    """What the block maps keep for gradients: all carry LoRA by default, else the matched ones."""
     if not shape.lora or shape.lora_targets is None:
-        return LINEAR_INPUTS
-    return lora_linear_inputs(matched_layers(shape.lora_targets))
+        return shape.arch.linear_inputs()
+    return shape.arch.linear_inputs(matched_layers(shape.lora_targets, shape.arch.family))
 
 
 def _gradients(trainable: float, shape: RunShape) -> Terms:
@@ -99,10 +110,10 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         init = peak(before_first_step(state, trainable), build_transient(shape, params))
         if shape.stage == "sft":
             work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True,
-                                    linear_inputs=_linear_inputs(shape))
+                                    linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True,
-                                    linear_inputs=_linear_inputs(shape))
+                                    linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         phases = {"init": init, "training": state + grads + work}
         if shape.stage == "rm":
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
@@ -120,8 +131,11 @@ def predict(shape: RunShape) -> dict[str, Terms]:
             + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0], vb) + build_transient(shape, reward_params))
     # the critic's pass with the actor's gradients still alive (both step after it)
     inputs = _linear_inputs(shape)
-    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq, linear_inputs=inputs)
-    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4, linear_inputs=inputs)
+    norms = not shape.lora  # coati's LoRA freezes every norm
+    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq, linear_inputs=inputs,
+                                                           trained_norms=norms)
+    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4, linear_inputs=inputs,
+                                                trained_norms=norms)
     heavier = update if update.device >= actor_pass.device else actor_pass
     # grad_accum > 1: coati's counter steps after the last rollout's update, so the earlier ones' gradients stay
     # in the ZeRO grad store (the rank's partition at ZeRO-2, whole below) through the next rollouts

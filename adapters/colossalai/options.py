@@ -16,6 +16,9 @@ from bench.run.spec import (
 
 OPTIMIZERS = ("hybrid_adam", "torch_adamw")
 PLUGIN_CLASSES = ("TorchDDPPlugin", "LowLevelZeroPlugin", "GeminiPlugin", "HybridParallelPlugin")
+# families whose transformers classes colossalai 0.5.0's shardformer has a policy for (auto_policy._POLICY_LIST);
+# HybridParallelPlugin shards nothing else (GLM-4's GlmForCausalLM has none: only ChatGLM's remote code does)
+SHARDFORMER_FAMILIES = ("gpt2", "llama", "qwen2", "mistral")
 LORA_BIAS = ("none", "all", "lora")
 
 
@@ -233,6 +236,16 @@ class ColossalOptions:
         if plugin.cls == "GeminiPlugin" and spec.precision == "fp32":
             raise UnsupportedError("GeminiPlugin trains in fp16 or bf16 only (precision=fp32 given)")
         if plugin.cls == "HybridParallelPlugin":
+            if spec.model.arch not in SHARDFORMER_FAMILIES:
+                raise UnsupportedError(
+                    f"plugin {plugin.name} (HybridParallelPlugin) on a {spec.model.arch} model: colossalai 0.5.0's "
+                    "shardformer has no policy for its classes (get_autopolicy raises NotImplementedError; "
+                    f"policies exist for {', '.join(SHARDFORMER_FAMILIES)} among ours). Use zero=1 or 2 "
+                    "(LowLevelZeroPlugin) or precision=fp32 at zero=0 (TorchDDPPlugin)")
+            if spec.tp > 1 and (spec.model.heads % spec.tp or spec.model.kv_heads % spec.tp):
+                raise SpecError(f"tp={spec.tp} must divide model.heads={spec.model.heads} and model.kv_heads="
+                                f"{spec.model.kv_heads} (shardformer's policies assert both: each rank keeps whole "
+                                "query and K/V heads)")
             if spec.zero > 0 and spec.precision == "fp32":
                 raise UnsupportedError("HybridParallelPlugin with zero_stage > 0 needs precision bf16 or fp16 "
                                        "(colossalai asserts it)")

@@ -23,7 +23,9 @@ from adapters.dschat.reward_model import RewardModel
 from bench.run.models import build_backbone, build_causal_lm, set_dropout
 from bench.run.spec import UnsupportedError
 
-_NO_DECAY = ("bias", "ln_", "LayerNorm.weight", "layer_norm.weight")
+# get_optimizer_grouped_parameters' no_decay_name_list, matched against lower-cased names (GPT-2's ln_1 and
+# ln_2 weights match none of them and decay, as upstream; Llama's norms all match)
+_NO_DECAY = ("bias", "layer_norm.weight", "layernorm.weight", "norm.weight", "ln_f.weight")
 _UNSHARDED = {"zero_optimization": {"stage": 0}}  # what _zero3 and _load read: build a model whole
 
 
@@ -95,12 +97,13 @@ class Engines:
                     keep_trainable: tuple[str, ...]) -> None:
         if not rank:
             return
-        names = lora_module_names(self.spec.lora_target_set, self.options.lora_module_name)
+        names = lora_module_names(self.spec.lora_target_set, self.options.module_name(self.spec.model.arch),
+                                  self.spec.model.arch)
         with self._zero3(config):
             converted = convert_to_lora(model, names, rank, self.spec.lora_alpha_or(UPSTREAM_LORA_SCALING))
         if converted == 0:
             raise ValueError(
-                f"framework.lora_module_name={self.options.lora_module_name!r} matches no linear layer: LoRA "
+                f"framework.lora_module_name={names!r} matches no linear layer: LoRA "
                 "would change nothing (and with only_optimize_lora nothing would train, DS#3339)"
             )
         if self.options.only_optimize_lora:
@@ -111,16 +114,17 @@ class Engines:
         for name, param in model.named_parameters():
             if not param.requires_grad:
                 continue
-            if "lora_right_weight" in name or "lora_left_weight" in name:
-                lora.append(param)
-            elif any(key in name for key in _NO_DECAY):
+            lowered = name.lower()
+            if any(key in lowered for key in _NO_DECAY):
                 no_decay.append(param)
+            elif "lora_right_weight" in lowered or "lora_left_weight" in lowered:
+                lora.append(param)
             else:
                 decay.append(param)
-        groups = [
+        groups = [  # upstream's order and weight decay: LoRA factors decay like the weights they adapt
             {"params": decay, "weight_decay": self.options.weight_decay},
+            {"params": lora, "weight_decay": self.options.weight_decay, "lr": self.options.lora_lr},
             {"params": no_decay, "weight_decay": 0.0},
-            {"params": lora, "weight_decay": 0.0, "lr": self.options.lora_lr},
         ]
         groups = [g for g in groups if g["params"]]
         betas = tuple(self.options.betas)
@@ -244,6 +248,9 @@ class Engines:
             self.engines["reward"] = self._eval_engine(reward)
         if not init.get("sft"):
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
+        if self.spec.model.arch == "llama" and self.options.ppo.do_sample:
+            self._notes.append("generation: greedy (DS-Chat's _generate_sequence forces do_sample=False for "
+                               "model_type llama)")
         self._notes.append(f"dropout: actor {self.options.actor_dropout}, critic "
                            f"{self._dropout_note(self.options.critic_dropout)} (train mode during experience, as "
                            f"upstream); LoRA rank: actor {self.spec.lora}, critic {self.options.critic_lora_dim}")

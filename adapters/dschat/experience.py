@@ -24,8 +24,11 @@ class ExperienceMaker:
     @torch.no_grad()
     def generate(self, batch: PromptBatch) -> Rollout:
         actor = self.engines["actor"]
-        sampling: dict[str, Any] = {"do_sample": self.options.ppo.do_sample}
-        if self.options.ppo.do_sample:
+        # _generate_sequence forces greedy decoding for model_type "llama" (a probability/nan error upstream met
+        # with Llama-2's sampling config); every other architecture samples as configured
+        do_sample = self.options.ppo.do_sample and self.spec.model.arch != "llama"
+        sampling: dict[str, Any] = {"do_sample": do_sample}
+        if do_sample:
             sampling.update(top_k=self.options.ppo.top_k, temperature=self.options.ppo.temperature)
         for engine in self.engines.values():  # DeepSpeedPPOTrainer.eval(); the Hybrid Engine switches here
             engine.eval()

@@ -33,11 +33,12 @@ from bench.plan.run_shape import (
 
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
-    """(total, trainable) parameters of a role: the trunk (+ a bias-free value head for critic and reward);
-    LoRA on the target layers (lora_targets; DS-Chat's "h." default: all four) adds r*(d_in + d_out) each and
-    freezes only their weights (16*r*h and 12*h^2 per block for all four): the rest keeps training."""
+    """(total, trainable) parameters of a role: the causal LM, or the backbone with a bias-free value head for
+    critic and reward (no LM head; the same parameters when the head is tied); LoRA on the target maps
+    (lora_targets; DS-Chat's block-list default: all of them) adds r*(d_in + d_out) each and freezes only
+    their weights (GPT-2: 16*r*h and 12*h^2 per block): the rest keeps training."""
     arch = shape.arch
-    params = arch.total_params + (arch.hidden if role in ("critic", "reward") else 0)
+    params = arch.backbone_params + arch.hidden if role in ("critic", "reward") else arch.total_params
     if not lora:
         return params, params
     targets = shape.lora_targets or ALL_LORA_LAYERS

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from adapters.lora_targets import BLOCK_LAYERS, suffixes
+from adapters.lora_targets import suffixes
+from bench.run.families import family
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -20,18 +21,27 @@ OPTIMIZERS = ("fused_adam", "torch_adamw")
 SCHEDULERS = ("cosine", "linear", "constant", "constant_with_warmup")  # --lr_scheduler_type (transformers')
 
 
-def lora_module_names(targets: tuple[str, ...] | None, default: str) -> tuple[str, ...]:
-    """The substrings that select `targets` (lora_targets) the way DS-Chat's --*_lora_module_name does: one
-    where a single substring selects exactly that set (the default for all four, "attn." for attention,
-    "mlp." for both MLP maps, a layer's own qualified suffix); else one per layer."""
-    if targets is None or set(targets) == set(BLOCK_LAYERS):
+# --*_lora_module_name's value for each family's block list, as DS-Chat's scripts pass it: "decoder.layers." for
+# OPT, "layers." for Llama; "h." is GPT-2's (the GLM stand-in) equivalent
+FAMILY_MODULE_NAME = {"gpt2": "h."}
+LLAMA_MODULE_NAME = "layers."
+
+
+def lora_module_names(targets: tuple[str, ...] | None, default: str, arch: str = "gpt2") -> tuple[str, ...]:
+    """The substrings that select `targets` (lora_targets meanings) the way DS-Chat's --*_lora_module_name does:
+    one where a single substring selects exactly those modules (the default for all of them, the attention
+    or MLP prefix -- GPT-2's "attn.", Llama's "self_attn.", "mlp." -- or a module's own qualified suffix); else
+    one per module."""
+    modules = family(arch).distinct_modules
+    chosen = suffixes(targets, arch) if targets is not None else list(modules)
+    if set(chosen) == set(modules):
         return (default,)
-    if len(targets) == 1:
-        return (BLOCK_LAYERS[targets[0]],)
-    for prefix in ("attn.", "mlp."):
-        if {t for t, suffix in BLOCK_LAYERS.items() if suffix.startswith(prefix)} == set(targets):
+    if len(chosen) == 1:
+        return (chosen[0],)
+    for prefix in dict.fromkeys(m.split(".")[0] + "." for m in modules):
+        if {m for m in modules if m.startswith(prefix)} == set(chosen):
             return (prefix,)
-    return tuple(suffixes(targets))
+    return tuple(chosen)
 
 
 @dataclass(frozen=True)
@@ -60,7 +70,7 @@ class DSChatOptions:
     betas: tuple[float, float] = (0.9, 0.95)
     gradient_clipping: float = 1.0
     fp16_loss_scale_window: int = 100
-    lora_module_name: str = "h."
+    lora_module_name: str | None = None  # null: the family's block list (FAMILY_MODULE_NAME)
     lora_lr: float = 5e-4
     only_optimize_lora: bool = False
     critic_lora_dim: int = 0
@@ -71,6 +81,10 @@ class DSChatOptions:
     lr_scheduler_type: str = "cosine"
     num_warmup_steps: dict[str, int | None] = field(default_factory=lambda: {"sft": 0, "rm": 0, "ppo": None})
     ppo: PPOOptions = field(default_factory=PPOOptions)
+
+    def module_name(self, arch: str) -> str:
+        """--*_lora_module_name: the option, else the family's block list as the scripts pass it."""
+        return self.lora_module_name or FAMILY_MODULE_NAME.get(arch, LLAMA_MODULE_NAME)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> DSChatOptions:
@@ -119,7 +133,8 @@ class DSChatOptions:
         """Knobs of this run DS-Chat's own scripts cannot run."""
         options = cls.from_dict(spec.framework_options)
         found = []
-        if spec.lora and len(lora_module_names(spec.lora_target_set, options.lora_module_name)) > 1:
+        if spec.lora and len(lora_module_names(spec.lora_target_set, options.module_name(spec.model.arch),
+                                               spec.model.arch)) > 1:
             found.append({"knob": f"lora_targets={spec.lora_targets}", "reason": "--actor_lora_module_name is one "
                           "substring; no single one selects these layers (the harness converts each by its name)"})
         if spec.lora and spec.lora_alpha is not None:

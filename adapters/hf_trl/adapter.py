@@ -430,8 +430,9 @@ class TrlAdapter(Adapter):
         return bool(self.spec.lora and self.spec.zero)
 
     def upstream_defects(self) -> list[dict[str, str]]:
-        found = [dict({"grpo": engines.GRPO_DEFECT, "ppo": engines.PPO_SEED_DEFECT}[self._stage])
-                 ] if self._stage in ("grpo", "ppo") else []
+        found = [dict(engines.PPO_SEED_DEFECT)] if self._stage == "ppo" else []
+        if self._stage == "grpo" and self.spec.model.arch == "gpt2":  # the other families honour logits_to_keep
+            found.append(dict(engines.GRPO_DEFECT))
         if self._empty_group_defect:
             found.append(dict(engines.EMPTY_GROUP_DEFECT))
         return found

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from adapters.lora_targets import suffixes
-from bench.run.models import gpt2_config
+from adapters.lora_targets import peft_targets, suffixes
+from bench.run.models import family_config
 from bench.run.spec import RunSpec
 
 MIXED_PRECISION = {"fp32": "no", "bf16": "bf16", "fp16": "fp16"}
@@ -47,13 +47,15 @@ def launch_env(spec: RunSpec, device: torch.device) -> dict[str, str]:
 
 def peft_config(spec: RunSpec, alpha: float, dropout: float, task_type: str) -> Any:
     """trl's get_peft_config(ModelConfig): LoraConfig(r, target_modules, lora_alpha, lora_dropout, bias="none");
-    lora_targets fill target_modules (None: peft's GPT-2 default, c_attn), lora_alpha the alpha."""
+    lora_targets fill target_modules (None: peft's default for the family: GPT-2's c_attn, Llama-style q_proj
+    and v_proj), lora_alpha the alpha."""
     if not spec.lora:
         return None
     from peft import LoraConfig
 
-    targets = spec.lora_target_set
-    return LoraConfig(task_type=task_type, r=spec.lora, target_modules=suffixes(targets) if targets else None,
+    arch = spec.model.arch
+    return LoraConfig(task_type=task_type, r=spec.lora,
+                      target_modules=suffixes(peft_targets(spec.lora_target_set, arch), arch),
                       lora_alpha=spec.lora_alpha_or(alpha), lora_dropout=dropout, bias="none")
 
 
@@ -70,27 +72,34 @@ def training_args(spec: RunSpec, stage: str, device: torch.device, config_class:
         max_grad_norm=spec.grad_clip_or(UPSTREAM_CLIP), disable_tqdm=True, dataloader_num_workers=0, **extra)
 
 
+def _pretrained(spec: RunSpec, checkpoint: str | None) -> str | None:
+    """The directory a model loads from: the stage's checkpoint, else a local model.path, else none (random)."""
+    return os.path.dirname(checkpoint) if checkpoint else spec.model.path
+
+
 def causal_lm(spec: RunSpec, checkpoint: str | None) -> torch.nn.Module:
-    """AutoModelForCausalLM from the stage's checkpoint directory (from_pretrained, as the scripts load), else
-    from the harness's config with random weights (from_config: inside zero.Init under ZeRO-3, as from_pretrained)."""
+    """AutoModelForCausalLM from the stage's checkpoint directory or model.path (from_pretrained, as the scripts
+    load), else from the harness's config with random weights (from_config: inside zero.Init under ZeRO-3, as
+    from_pretrained)."""
     from transformers import AutoModelForCausalLM
 
-    if checkpoint:
-        return AutoModelForCausalLM.from_pretrained(os.path.dirname(checkpoint), local_files_only=True)
+    source = _pretrained(spec, checkpoint)
+    if source:
+        return AutoModelForCausalLM.from_pretrained(source, local_files_only=True)
     torch.manual_seed(spec.seed)
-    return AutoModelForCausalLM.from_config(gpt2_config(spec.model))
+    return AutoModelForCausalLM.from_config(family_config(spec.model))
 
 
 def sequence_classifier(spec: RunSpec, checkpoint: str | None) -> torch.nn.Module:
-    """AutoModelForSequenceClassification(num_labels=1): TRL's reward and value models (GPT-2: `transformer` +
-    a bias-free `score` head; the score is read at the last non-pad token)."""
+    """AutoModelForSequenceClassification(num_labels=1): TRL's reward and value models (the backbone + a
+    bias-free `score` head; the score is read at the last non-pad token)."""
     from transformers import AutoModelForSequenceClassification
 
-    if checkpoint:
-        return AutoModelForSequenceClassification.from_pretrained(os.path.dirname(checkpoint), num_labels=1,
-                                                                  local_files_only=True)
+    source = _pretrained(spec, checkpoint)
+    if source:
+        return AutoModelForSequenceClassification.from_pretrained(source, num_labels=1, local_files_only=True)
     torch.manual_seed(spec.seed)
-    config = gpt2_config(spec.model)
+    config = family_config(spec.model)
     config.num_labels = 1
     return AutoModelForSequenceClassification.from_config(config)
 
@@ -110,7 +119,10 @@ GRPO_DEFECT = {
 
 
 def grpo_policy(spec: RunSpec, checkpoint: str | None) -> torch.nn.Module:
-    """The causal LM for GRPO: the same GPT-2 model, its forward honouring logits_to_keep (GRPO_DEFECT)."""
+    """The causal LM for GRPO: a GPT-2 model's forward made to honour logits_to_keep (GRPO_DEFECT); the other
+    families' transformers classes take it themselves."""
+    if spec.model.arch != "gpt2":
+        return causal_lm(spec, checkpoint)
     from transformers import GPT2LMHeadModel
     from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
@@ -125,10 +137,11 @@ def grpo_policy(spec: RunSpec, checkpoint: str | None) -> torch.nn.Module:
             return CausalLMOutputWithCrossAttentions(logits=logits, past_key_values=out.past_key_values,
                                                      hidden_states=out.hidden_states, attentions=out.attentions)
 
-    if checkpoint:
-        return GPT2KeepingLogits.from_pretrained(os.path.dirname(checkpoint), local_files_only=True)
+    source = _pretrained(spec, checkpoint)
+    if source:
+        return GPT2KeepingLogits.from_pretrained(source, local_files_only=True)
     torch.manual_seed(spec.seed)
-    return GPT2KeepingLogits._from_config(gpt2_config(spec.model))
+    return GPT2KeepingLogits._from_config(family_config(spec.model))
 
 
 # PPOTrainer.__init__ never calls Trainer.__init__, whose set_seed(args.seed) seeds Python's, numpy's and torch's

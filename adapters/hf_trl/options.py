@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from adapters.lora_targets import require_peft_default
 from bench.run.spec import RunSpec, SpecError, UnsupportedError, refuse_comm_knobs, require_data_parallel_only
 
 KL_ESTIMATORS = ("k1", "k3")
@@ -98,6 +99,7 @@ class TrlOptions:
     def validate(cls, spec: RunSpec) -> TrlOptions:
         options = cls.from_dict(spec.framework_options)
         require_data_parallel_only(spec, "TRL", "trains with data parallelism only (accelerate DDP or DeepSpeed ZeRO)")
+        require_peft_default(spec, "TRL")
         refuse_comm_knobs(spec, "TRL takes DeepSpeed's bucket settings only from a DeepSpeed config file, which this "
                                 "harness does not write for it (accelerate's plugin defaults run)")
         rollout = [s for s in spec.stages if s in ("ppo", "grpo")]

@@ -55,7 +55,8 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
         else:
             state = module.state_dict()
         alpha = self.spec.lora_alpha_or(self.options.lora_alpha)
-        return fold_lora(state, alpha / self.spec.lora if self.spec.lora else 0.0)
+        return fold_lora(state, alpha / self.spec.lora if self.spec.lora else 0.0,
+                         transposed=self.spec.model.arch == "gpt2")
 
     def save(self, stage: str, directory: str) -> str:
         role = "reward" if stage == "rm" else "actor"
@@ -101,9 +102,9 @@ class ReferenceAdapter(Engines, ExperienceMaker, Update, Adapter):
             dist.destroy_process_group()
 
 
-def fold_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch.Tensor]:
-    """peft LoRA on GPT-2's Conv1D (fan_in_fan_out: weight [in, out]) folded into plain weights:
-    W + scaling * (B @ A)^T under the plain model's names; a state without LoRA comes back as it is."""
+def fold_lora(state: dict[str, torch.Tensor], scaling: float, transposed: bool = True) -> dict[str, torch.Tensor]:
+    """peft LoRA folded into plain weights under the plain model's names: W + scaling * (B @ A), transposed for
+    GPT-2's Conv1D (fan_in_fan_out: weight [in, out]); a state without LoRA comes back as it is."""
     folded: dict[str, torch.Tensor] = {}
     for key, value in state.items():
         if ".lora_" in key:
@@ -112,7 +113,8 @@ def fold_lora(state: dict[str, torch.Tensor], scaling: float) -> dict[str, torch
         if owner:
             if leaf == "weight":
                 a, b = state[f"{owner}.lora_A.default.weight"], state[f"{owner}.lora_B.default.weight"]
-                value = value + scaling * (b.float() @ a.float()).T.to(value.dtype)
+                delta = b.float() @ a.float()
+                value = value + scaling * (delta.T if transposed else delta).to(value.dtype)
             key = f"{owner}.{leaf}"
         folded[key] = value
     return folded

@@ -19,8 +19,10 @@ import torch
 from adapters.lora_targets import suffixes
 from adapters.reference.models import ValueModel, end_scores
 from adapters.rl_math import position_ids
+from bench.run.families import FAMILIES, MEANINGS
 from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params, set_dropout
-from bench.run.spec import LORA_TARGET_NAMES
+
+BLOCK_CLASSES = {traits.layer_class for traits in FAMILIES.values()}  # GPT2Block, LlamaDecoderLayer, ...
 
 
 class Engines:
@@ -51,7 +53,7 @@ class Engines:
         policy = MixedPrecisionPolicy() if self.spec.precision == "fp32" else \
             MixedPrecisionPolicy(param_dtype=self._dtype, reduce_dtype=torch.float32)
         mesh = self._mesh()
-        for block in [m for m in model.modules() if type(m).__name__.endswith("Block")]:  # one unit per block
+        for block in [m for m in model.modules() if type(m).__name__ in BLOCK_CLASSES]:  # one unit per block
             fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
         fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
@@ -74,9 +76,10 @@ class Engines:
             return
         from peft import LoraConfig, inject_adapter_in_model
 
+        arch = self.spec.model.arch
         config = LoraConfig(r=self.spec.lora, lora_alpha=self.spec.lora_alpha_or(self.options.lora_alpha),
-                            lora_dropout=0.0, target_modules=suffixes(self.spec.lora_target_set or LORA_TARGET_NAMES),
-                            fan_in_fan_out=True)
+                            lora_dropout=0.0, target_modules=suffixes(self.spec.lora_target_set or MEANINGS, arch),
+                            fan_in_fan_out=arch == "gpt2")  # GPT-2's Conv1D keeps its weight as [in, out]
         inject_adapter_in_model(config, model)
         for name, param in model.named_parameters():
             param.requires_grad_("lora_" in name or name.startswith("value_head."))

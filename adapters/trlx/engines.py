@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from adapters.lora_targets import suffixes
+from adapters.lora_targets import peft_targets, suffixes
 from adapters.state_bytes import tensor_bytes
 from adapters.trlx import schedule
 from adapters.trlx.models import GPTRewardModel, PolicyWithValueHead, freeze_bottom_layers, freeze_reward_backbone
 from bench.measure.params import ParamCounts
-from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params
+from bench.run.models import TORCH_DTYPES, build_backbone, build_causal_lm, count_params, decoder_blocks
 
 
 class Engines:
@@ -31,14 +31,16 @@ class Engines:
         return model.eval()
 
     def _peft(self, model: torch.nn.Module, task_type: str | None = "CAUSAL_LM") -> torch.nn.Module:
-        """peft LoRA with peft's per-architecture target modules (GPT-2: c_attn), as trlx's peft_config; the
-        common lora_targets / lora_alpha fill the peft_config's target_modules / lora_alpha."""
+        """peft LoRA with peft's per-architecture target modules (GPT-2: c_attn; Llama-style: q_proj, v_proj),
+        as trlx's peft_config; the common lora_targets / lora_alpha fill the peft_config's target_modules /
+        lora_alpha."""
         from peft import LoraConfig, get_peft_model
 
-        targets = self.spec.lora_target_set
+        arch = self.spec.model.arch
+        targets = peft_targets(self.spec.lora_target_set, arch)
         config = LoraConfig(r=self.spec.lora, lora_alpha=self.spec.lora_alpha_or(self.options.lora.alpha),
                             lora_dropout=self.options.lora.dropout, task_type=task_type,
-                            target_modules=suffixes(targets) if targets else None if task_type else ["c_attn"])
+                            target_modules=suffixes(targets, arch))
         return get_peft_model(model, config)
 
     def _prepare(self, role: str, model: torch.nn.Module, lr: float) -> None:
@@ -81,7 +83,7 @@ class Engines:
             self.model.train()  # the example trains its RM with HF's Trainer: train mode throughout
             if self.deepspeed and self.spec.grad_accum > 1:  # the Trainer hands its accumulation to DeepSpeed
                 self.model.set_train_batch_size(self.spec.batch * self.ctx.world_size * self.spec.grad_accum)
-            frozen = sum(not p.requires_grad for p in model.transformer.h.parameters())
+            frozen = sum(not p.requires_grad for p in decoder_blocks(model.transformer).parameters())
             self._notes.append(f"RM: rm_unfrozen_fraction={self.options.rm_unfrozen_fraction} leaves {frozen} block "
                                "tensors frozen (train_reward_model_gptj.py freezes the first 70 % of the blocks)")
         else:

@@ -6,9 +6,10 @@ weights in fp32
 reducer holds a bucket per gradient); ZeRO >= 1 is DeepSpeed (adapters/deepspeed_memory.py). Forwards run
 in eval mode (no dropout) but the RM stage's, which stays in train mode. SFT trains the whole LM; RM
 (GPTRewardModel) freezes the bottom 70 % of the blocks; PPO trains one model: the trunk's top
-`num_layers_unfrozen` blocks, the final norm, the position table and a value head (h -> 2h -> 1), with the
-reference as a "hydra" branch (frozen copies of the top blocks, final norm and an untied LM head), or with
-LoRA (peft, on the fused QKV only) the same model with its adapters disabled. Experience making keeps the
+`num_layers_unfrozen` blocks, the final norm, a position table, an untied head and a value head (h -> 2h -> 1),
+with the reference as a "hydra" branch (frozen copies of the top blocks, final norm and the LM head), a whole
+fp32 copy (num_layers_unfrozen=-1), or with LoRA (peft, on peft's default maps for the family: GPT-2's fused
+QKV, Llama-style q and v) the same model with its adapters disabled. Experience making keeps the
 policy's logits, KV cache and hidden states alive through the reference forward (which runs the trunk again);
 the reward function is the RM-stage model on rank 0. The update runs `ppo_epochs` forward/backward passes
 over the whole rollout.
@@ -17,7 +18,9 @@ over the whole rollout.
 from __future__ import annotations
 
 from adapters.deepspeed_memory import engine_build, gradient_terms, resident_buffers
-from bench.plan.physics import LINEAR_INPUTS, Terms, lora_linear_inputs, peak
+from adapters.lora_targets import PEFT_DEFAULTS
+from adapters.trlx.options import default_layers_unfrozen
+from bench.plan.physics import Terms, peak
 from bench.plan.run_shape import (
     RunShape,
     build_transient,
@@ -40,22 +43,39 @@ def _unfrozen(shape: RunShape, key: str, default: float) -> int:
     layers = shape.arch.layers
     if key == "rm_unfrozen_fraction":
         return int(shape.options.get(key, default) * layers)
-    value = int(shape.options.get(key, default))
+    value = _raw_unfrozen(shape)
     return layers if value < 0 else min(value, layers)
 
 
 def _targets(shape: RunShape) -> tuple[str, ...]:
-    """The block layers peft adapts: lora_targets, else peft's GPT-2 default (c_attn, the qkv projection)."""
-    return shape.lora_targets or ("qkv",)
+    """The block's maps peft adapts: lora_targets, else peft's default for the family (GPT-2: c_attn, q k v;
+    Llama-style: q and v)."""
+    return shape.lora_targets or PEFT_DEFAULTS.get(shape.arch.family, ())
 
 
-def _linear_inputs(shape: RunShape) -> int:
-    """What the block linears keep for gradients: all four train without LoRA (7 h), else the adapted ones."""
-    return lora_linear_inputs(_targets(shape)) if shape.lora else LINEAR_INPUTS
+def _linear_inputs(shape: RunShape) -> float:
+    """What the block's linear maps keep for gradients: all of them without LoRA, else the adapted ones."""
+    return shape.arch.linear_inputs(_targets(shape)) if shape.lora else shape.arch.linear_inputs()
+
+
+def _full_reference(shape: RunShape) -> bool:
+    """The full reference (framework.reference=full, or auto at num_layers_unfrozen=-1, without LoRA): every layer
+    trains and the reference is a whole fp32 copy."""
+    reference = shape.options.get("reference", "auto")
+    return not shape.lora and (reference == "full" or reference == "auto" and _raw_unfrozen(shape) < 0)
+
+
+def _raw_unfrozen(shape: RunShape) -> int:
+    value = shape.options.get("num_layers_unfrozen")
+    return default_layers_unfrozen(shape.arch.family) if value is None else int(value)
 
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
-    """(total, trainable) parameters of the one trained model of a stage."""
+    """(total, trainable) parameters of the one trained model of a stage. RM: GPTRewardModel, the backbone and
+    a bias-free value head. PPO: the causal LM and a value head (h -> 2h -> 1); freezing the bottom blocks
+    freezes the input embedding (and a head tied to it), so the top blocks, the final norm, a position table
+    and an untied head train; the hydra branch adds frozen copies of the top blocks, the final norm and the
+    head."""
     arch = shape.arch
     h = arch.hidden
     base = arch.total_params
@@ -63,17 +83,21 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     if role == "sft":
         return (base + adapters, adapters) if lora else (base, base)
     if role == "rm":
+        backbone = arch.backbone_params + h
         if lora:
-            return base + h + adapters, adapters + h
+            return backbone + adapters, adapters + h
         top = _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
-        return base + h, top * arch.layer_params + 2 * h + arch.embedding_params + h
+        return backbone, top * arch.layer_params + arch.norm_params + arch.embedding_params + h
     value_head = 2 * h * h + 2 * h + 2 * h + 1
-    if lora:  # peft on its targets (c_attn: r * (h + 3h) per block); the reference: the same model, adapters off
+    if lora:  # peft on its targets; the reference: the same model, adapters off
         added = adapters + value_head
         return base + added, added
+    if _full_reference(shape):
+        return base + value_head, base + value_head
     top = _unfrozen(shape, "num_layers_unfrozen", 2)
-    branch = top * arch.layer_params + 2 * h + arch.vocab * h
-    trainable = top * arch.layer_params + 2 * h + arch.positions * h + value_head
+    branch = top * arch.layer_params + arch.norm_params + arch.vocab * h
+    positions = arch.embedding_params - arch.vocab * h  # a learned position table trains; rotary has none
+    trainable = top * arch.layer_params + arch.norm_params + positions + arch.head_params + value_head
     return base + branch + value_head, trainable
 
 
@@ -91,11 +115,11 @@ def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Te
 
 
 def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
-    """What reference.quant changes in the policy's state: the hydra branch's block weights (12h^2 a block)
-    in 8 or 4 bits instead of `weight_bytes` each; its untied LM head stays (adapters/quantize.py)."""
-    h = shape.arch.hidden
+    """What reference.quant changes in the policy's state: the hydra branch's block weights (GPT-2: 12h^2 a
+    block) in 8 or 4 bits instead of `weight_bytes` each; its LM head copy stays (adapters/quantize.py)."""
+    arch = shape.arch
     top = _unfrozen(shape, "num_layers_unfrozen", 2)
-    weights, rows = top * 12 * h * h, top * 9 * h
+    weights, rows = arch.block_weights() * top // arch.layers, arch.block_rows() * top // arch.layers
     mode = dict(shape.quant)["ref"]
     return Terms(params=quantized_weight_bytes(weights, rows, mode, shape.quant_library, weight_bytes)
                  - weights * weight_bytes)
@@ -118,27 +142,30 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         init = peak(at_init, build_transient(shape, params))
     if role == "sft":
         work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape),
-                                linear_inputs=_linear_inputs(shape))
+                                linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         return {"init": init, "training": state + grads + work}
     if role == "rm":
         frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
         work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True, frozen_layers=frozen,
-                                linear_inputs=_linear_inputs(shape))
+                                linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         return {"init": init, "training": state + grads + work,
                 "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
-    rm_params = shape.arch.total_params + shape.arch.hidden
+    rm_params = shape.arch.backbone_params + shape.arch.hidden
     reward_fn = frozen_role(shape, "reward", rm_params, vb)  # rank 0
     if dict(shape.quant).get("ref", "none") != "none":
         state = state + _quantized_branch(shape, 4 if shape.zero == 0 else vb)
     resident = state + reward_fn
+    if _full_reference(shape):  # a whole fp32 copy of the LM on every rank, outside accelerate
+        resident = resident + frozen_role(shape, "ref", shape.arch.total_params, 4)
     # the reward function's model is built in fp32 and loads the RM checkpoint's fp32 state dict
     init = peak(init + reward_fn, state + build_transient(shape, rm_params) + Terms(other=4 * rm_params))
     seq = shape.seq
     logits_out = (fp32_logits if shape.zero == 0 and shape.mixed else 1)
     hidden_states = Terms(activations=2 * (shape.arch.layers + 1) * shape.batch * seq * shape.arch.hidden * vb)
-    frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "num_layers_unfrozen", 2)
+    trained_all = shape.lora or _full_reference(shape)
+    frozen = 0 if trained_all else shape.arch.layers - _unfrozen(shape, "num_layers_unfrozen", 2)
     work = forward_backward(shape, shape.batch, seq, logits_copies=logits_out + 3, frozen_layers=frozen,
-                            linear_inputs=_linear_inputs(shape))
+                            linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
     return {
         "init": init,
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),

@@ -3,7 +3,8 @@
 The PPO policy and critic share one trunk: a causal LM plus an fp32 value head (h -> 2h -> 1). The
 reference is either a "hydra" branch -- a frozen copy of only the top `num_layers_unfrozen` blocks,
 the final norm and the LM head, fed the shared trunk's hidden state below them -- or the same model
-with its peft adapters disabled, or a whole frozen copy (built by the adapter).
+with its peft adapters disabled, or a whole frozen copy (built by the adapter). trlx has branch classes for
+GPT-2-style models (GPTModelBranch) and Llama (LlamaModelBranch) among the families here (options.BRANCH_FAMILIES).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from torch import nn
 
 from adapters.rl_math import filled_position_ids, position_ids
+from bench.run.models import decoder_blocks, final_norm
 
 
 def make_value_head(hidden: int) -> nn.Module:
@@ -31,17 +33,21 @@ def causal_padding_mask(attention_mask: torch.Tensor, dtype: torch.dtype) -> tor
         ~allowed, torch.finfo(dtype).min)
 
 
-class GPT2Branch(nn.Module):
-    """trlx's GPTModelBranch: frozen copies of the top blocks, final norm and LM head."""
+class ModelBranch(nn.Module):
+    """trlx's GPTModelBranch / LlamaModelBranch: frozen copies of the top blocks, final norm and LM head. A
+    Llama-style block takes its rotary position embedding from the caller (transformers >= 4.48 computes it
+    once per model): the branch keeps a copy of the trunk's rotary module, as trlx's copied blocks (on
+    transformers 4.32) each carried their own."""
 
     def __init__(self, lm: nn.Module, num_layers: int, gather=None) -> None:
         super().__init__()
-        blocks = lm.transformer.h[-num_layers:]
-        with gather(list(blocks.parameters()) + list(lm.transformer.ln_f.parameters())
-                    + list(lm.lm_head.parameters())) if gather else nullcontext():
+        blocks, norm, head = decoder_blocks(lm)[-num_layers:], final_norm(lm), lm.get_output_embeddings()
+        with gather(list(blocks.parameters()) + list(norm.parameters())
+                    + list(head.parameters())) if gather else nullcontext():
             self.blocks = copy.deepcopy(blocks)
-            self.final_norm = copy.deepcopy(lm.transformer.ln_f)
-            self.lm_head = copy.deepcopy(lm.lm_head)
+            self.final_norm = copy.deepcopy(norm)
+            self.lm_head = copy.deepcopy(head)
+        self.rotary = copy.deepcopy(getattr(lm.base_model, "rotary_emb", None))  # GPT-2: none
         for param in self.parameters():
             param.requires_grad_(False)
 
@@ -50,10 +56,14 @@ class GPT2Branch(nn.Module):
         precision (adapters/quantize.py), as transformers' load_in_8bit keeps every model's lm_head."""
         return self.lm_head
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`positions`: the trunk's position ids (forward_hydra passes them on; GPT-2 added its position table
+        below the branch, so its blocks take none)."""
         mask = causal_padding_mask(attention_mask, hidden.dtype)
+        kwargs = {} if self.rotary is None else {"position_ids": positions,
+                                                 "position_embeddings": self.rotary(hidden, positions)}
         for block in self.blocks:
-            hidden = block(hidden, attention_mask=mask)[0]
+            hidden = block(hidden, attention_mask=mask, **kwargs)[0]
         return self.lm_head(self.final_norm(hidden))
 
 
@@ -65,7 +75,7 @@ class PolicyWithValueHead(nn.Module):
         self.base_model = lm
         self.v_head = make_value_head(hidden)
         self.hydra_layers = hydra_layers
-        self.frozen_head = GPT2Branch(self._lm, hydra_layers, gather) if hydra_layers > 0 else None
+        self.frozen_head = ModelBranch(self._lm, hydra_layers, gather) if hydra_layers > 0 else None
 
     @property
     def _lm(self) -> nn.Module:
@@ -94,16 +104,17 @@ class PolicyWithValueHead(nn.Module):
                 return self.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                        position_ids=filled_position_ids(attention_mask)).logits
         _, out = self.forward(input_ids, attention_mask)
-        return self.frozen_head(out.hidden_states[-(self.hydra_layers + 1)], attention_mask)
+        return self.frozen_head(out.hidden_states[-(self.hydra_layers + 1)], attention_mask,
+                                filled_position_ids(attention_mask))
 
 
 def freeze_bottom_layers(lm: nn.Module, num_layers_unfrozen: int) -> None:
-    """trlx's freeze_bottom_causal_layers: the input embeddings (and the LM head tied to them) and all
-    blocks below the top `num_layers_unfrozen` stop training; -1 keeps everything trainable. The position
-    table is not an input embedding to it, so it keeps training, as upstream."""
+    """trlx's freeze_bottom_causal_layers: the input embeddings (and the LM head tied to them; an untied head
+    keeps training) and all blocks below the top `num_layers_unfrozen` stop training; -1 keeps everything
+    trainable. The position table is not an input embedding to it, so it keeps training, as upstream."""
     if num_layers_unfrozen < 0:
         return
-    blocks = lm.transformer.h
+    blocks = decoder_blocks(lm)
     frozen = [lm.get_input_embeddings(), *blocks[: len(blocks) - num_layers_unfrozen]]
     for module in frozen:
         for param in module.parameters():
@@ -116,7 +127,7 @@ def freeze_reward_backbone(model: nn.Module, unfrozen_fraction: float | None) ->
     four layers), and that quirk is kept."""
     if unfrozen_fraction is None:
         return
-    blocks = model.transformer.h
+    blocks = decoder_blocks(model.transformer)
     unfrozen = int(unfrozen_fraction * len(blocks))
     for block in blocks[:-unfrozen]:
         block.requires_grad_(False)

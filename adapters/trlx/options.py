@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from adapters.lora_targets import require_peft_default
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -17,6 +19,9 @@ from bench.run.spec import (
 )
 
 REFERENCES = ("auto", "hydra", "full", "peft")
+# families trlx's hf_get_branch_class has a hydra branch for (GPTModelBranch, LlamaModelBranch); any other raises
+# "Unsupported architecture" when the reference is built
+BRANCH_FAMILIES = ("gpt2", "llama")
 SCALE_REWARD = ("ignored", "running", "ref")
 
 
@@ -44,13 +49,20 @@ class PPOOptions:
     top_p: float = 1.0
 
 
+def default_layers_unfrozen(arch: str) -> int:
+    """num_layers_unfrozen when the config leaves it null: the hh example's 2 where trlx has a hydra branch for
+    the family, else trlx's ModelConfig default -1 (every layer trains against a full reference copy: the only
+    full-tuning path trlx offers a family without a branch class)."""
+    return 2 if arch in BRANCH_FAMILIES else -1
+
+
 @dataclass(frozen=True)
 class TrlxOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
     prerequisite_ignores: ClassVar[tuple[str, ...]] = ("ppo", "reference", "num_layers_unfrozen", "lora",
                                                           "reward_batch_size", "reward_device")
     reference: str = "auto"
-    num_layers_unfrozen: int = 2
+    num_layers_unfrozen: int | None = None  # null: default_layers_unfrozen(arch)
     optimizer: str = "adamw"
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
@@ -134,8 +146,12 @@ class TrlxOptions:
     @classmethod
     def validate(cls, spec: RunSpec) -> TrlxOptions:
         options = cls.from_dict(spec.framework_options)
+        arch = spec.model.arch
+        if options.num_layers_unfrozen is None:
+            options = dataclasses.replace(options, num_layers_unfrozen=default_layers_unfrozen(arch))
         require_data_parallel_only(spec, "trlx", "accelerate trainers have no tensor or pipeline parallelism; only "
                                    "its NeMo trainers do")
+        require_peft_default(spec, "trlx")
         if spec.zero == 0:
             refuse_comm_knobs(spec, "trlx at zero=0 trains through accelerate's DDP, not DeepSpeed")
         rollouts, per_step = options.ppo.num_rollouts, spec.batch * spec.grad_accum
@@ -151,6 +167,12 @@ class TrlxOptions:
         if spec.lora and mode != "peft":
             raise UnsupportedError(f"framework.reference={mode} with lora={spec.lora}: with peft trlx ignores "
                                    "num_layers_unfrozen and disables the adapters for the reference (use peft)")
+        if mode == "hydra" and "ppo" in spec.stages and arch not in BRANCH_FAMILIES:
+            raise UnsupportedError(
+                f"framework.num_layers_unfrozen={options.num_layers_unfrozen} asks for a hydra reference, and trlx's "
+                f"hf_get_branch_class has no branch for the {arch} family (it raises \"Unsupported architecture\"; "
+                f"branches exist for {', '.join(BRANCH_FAMILIES)} among ours): use num_layers_unfrozen=-1 (a full "
+                "reference copy) or LoRA (the peft reference)")
         if mode == "hydra" and not 0 < options.num_layers_unfrozen < spec.model.layers:
             raise SpecError(f"framework.num_layers_unfrozen={options.num_layers_unfrozen} must be between 1 and "
                             f"{spec.model.layers - 1} for the hydra reference (model.layers={spec.model.layers}); "

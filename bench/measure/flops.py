@@ -5,10 +5,12 @@ Per token and per model a phase multiplies through:
 - training step (forward + backward): 6*N_t + 4*N_f + 12*L*C*H, where N_t are the parameters that train
   (their backward forms input and weight gradients: 2 + 2 + 2) and N_f the frozen ones (input gradients
   only: 2 + 2). Attention has no weights: its backward always costs twice its forward.
-N excludes position tables (a lookup, no multiply) and counts a tied embedding once, as the LM head;
-L = attention layers, H = hidden size, C = the context a token attends over (the padded sequence width
-of the batch; while generating, the prompt width plus half the answer width, the mean context of a
-decoded token with a KV cache).
+N excludes the tables a token only looks up (position tables; an input embedding, unless it is tied to the LM
+head, where it counts once, as the head: a backbone under a value head multiplies through no embedding);
+grouped-query attention's narrower K and V maps, SwiGLU's three MLP matrices and an untied head enter N as
+the model has them. L = attention layers, H = hidden size (the width of Q: heads x head dim), C = the context
+a token attends over (the padded sequence width of the batch; while generating, the prompt width plus half
+the answer width, the mean context of a decoded token with a KV cache).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from bench.measure.params import ParamCounts
 FORMULA = (
     "per token and model: forward 2*N + 4*L*C*H; training step 6*N_trainable + 4*N_frozen + 12*L*C*H "
     "(frozen weights form input gradients only); N = parameters a token multiplies through (position "
-    "tables excluded, tied embedding counted once as the LM head, LoRA factors counted, recomputation "
+    "tables and input embeddings excluded, a lookup, unless tied to the LM head, counted once as the head; "
+    "LoRA factors counted, recomputation "
     "under gradient checkpointing not counted), L = attention layers, H = hidden size, C = context "
     "(padded sequence width; generation: prompt width + answer width / 2); T = real (non-pad) tokens; "
     "each module counted once, in the phase where it runs; generation counts each prompt and generated "

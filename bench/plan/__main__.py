@@ -14,13 +14,23 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import yaml
 from rich.console import Console
 from rich.table import Table
 
 from bench.plan import plan_file
 from bench.plan.cluster import PHASES, ROLE_PHASES, ROLES, Cluster, Layout, Role, Workload, resident, role_phase
 from bench.plan.model_state import deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_paper_bytes
-from bench.plan.search import GIB, PLACEMENTS, Plan, SearchResult, evaluate, make_roles, plan_with_variants
+from bench.plan.search import (
+    GIB,
+    PLACEMENTS,
+    Plan,
+    SearchResult,
+    divides_heads,
+    evaluate,
+    make_roles,
+    plan_with_variants,
+)
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "cache", "logits", "lora", "buffers", "host")
 
@@ -41,16 +51,31 @@ def compose(overrides: list[str]) -> dict[str, Any]:
 
 def _context(config: dict[str, Any]) -> tuple[str, Any, Any, Cluster, Workload]:
     """(model name, arch, critic arch, cluster, workload) from a composed config or a plan file."""
-    model = config["model"]
-    if isinstance(model, dict) and "name" in model and os.path.exists(
-            os.path.join(plan_file.CONF_MODEL_DIR, f"{model['name']}.yaml")):
-        model = model["name"]
+    model = _preset_or_mapping(config["model"])
     name, arch = plan_file.arch_of(model)
     critic = config.get("critic_model")
     critic_arch = plan_file.arch_of(critic, "critic_model")[1] if critic else arch
     cluster = plan_file.cluster_of(config.get("cluster"))
     workload = plan_file.workload_of(config.get("workload"))
     return name, arch, critic_arch, cluster, workload
+
+
+def _preset_or_mapping(model: Any) -> Any:
+    """A composed model that is its preset unchanged becomes the preset's name (plan files then say
+    `model: glm-10b`); one with overridden fields stays a mapping named after what changed, so an override
+    (`model=glm-10b model.heads=7`) is planned, never dropped."""
+    if not isinstance(model, dict) or "name" not in model:
+        return model
+    path = os.path.join(plan_file.CONF_MODEL_DIR, f"{model['name']}.yaml")
+    if not os.path.exists(path):
+        return model
+    with open(path) as f:
+        preset = yaml.safe_load(f)
+    keys = (*plan_file.MODEL_KEYS, *plan_file.ARCH_KEYS, "path")
+    changed = [f"model.{k}={model.get(k)}" for k in keys if model.get(k) != preset.get(k)]
+    if not changed:
+        return model["name"]
+    return {**model, "name": f"{model['name']} ({', '.join(changed)})"}
 
 
 def dtype_problem(cluster: Cluster, workload: Workload) -> str | None:
@@ -209,7 +234,7 @@ def _fixed(layouts: dict[str, Layout], workload: Workload, fix: str, cluster: Cl
         elif fix == "optimizer offload" and trained and not lay.offload and not roles[name].lora:
             changed[name] = replace(lay, offload=True, zero=max(lay.zero, 1)) if lay.dp > 1 or lay.zero else None
         elif fix == "double tensor parallelism" and lay.dp % 2 == 0 and lay.tp * 2 <= cluster.gpus_per_node \
-                and roles[name].arch.heads % (lay.tp * 2) == 0:
+                and divides_heads(roles[name].arch, lay.tp * 2):
             changed[name] = replace(lay, tp=lay.tp * 2, dp=lay.dp // 2)
     changed = {k: v for k, v in changed.items() if v is not None}
     return ({**layouts, **changed}, workload) if changed else None

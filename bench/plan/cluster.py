@@ -14,6 +14,7 @@ kept unless the workload says flash attention), logits as b*s*v/t with an fp32 l
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from bench.plan.physics import (
@@ -73,8 +74,9 @@ class Cluster:
                 raise ValueError(f"cluster.{name}={value!r} must be an integer >= 1")
         for name in ("gpu_mem_gb", "host_mem_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"cluster.{name}={value!r} must be a positive number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"cluster.{name}={value!r} must be a positive finite number")
         if self.gpu not in GPUS:
             raise ValueError(f"cluster.gpu={self.gpu!r} is not known; allowed: {', '.join(GPUS)}")
         if not 0 < self.mfu <= 1 or not 0 < self.safety <= 1:
@@ -168,8 +170,10 @@ class Role:
 
     @property
     def params(self) -> int:
-        """The trunk, + a scalar value head (h -> 1) on critic and reward."""
-        return self.arch.total_params + (self.arch.hidden if self.name in ("critic", "reward") else 0)
+        """The causal LM; critic and reward: the backbone (no LM head) and a scalar value head (h -> 1)."""
+        if self.name in ("critic", "reward"):
+            return self.arch.backbone_params + self.arch.hidden
+        return self.arch.total_params
 
     @property
     def lora_params(self) -> int:
@@ -198,8 +202,11 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
     if not role.trained:
         return terms
     master = MASTER_AND_MOMENTS if vb < 4 else 8
-    if role.lora:
-        return terms + Terms(lora=role.lora_params * (2 * vb + master) / shard)
+    if role.lora:  # the factors, their gradients and optimizer states, partitioned as ZeRO partitions any
+        dp = layout.dp  # trained parameter: states from ZeRO-1, gradients from 2, weights at 3
+        per_factor = (vb / (dp if zero3 else 1) + vb / (dp if layout.zero >= 2 else 1)
+                      + master / (dp if layout.zero >= 1 else 1))
+        return terms + Terms(lora=role.lora_params * per_factor / shard)
     states = role.trainable * master / shard / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
         terms = terms + Terms(host=states + OFFLOADED_GRADS * role.trainable / shard / layout.dp)
@@ -223,9 +230,7 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     for the actor, the logits with an fp32 log-softmax and its gradient."""
     arch, vb, shard = role.arch, workload.value_bytes, _shard(layout)
     b, s, t = workload.micro_batch, workload.seq, layout.tp
-    per_layer = layer_activation_bytes(arch, b, s, t, layout.recompute, vb)
-    if workload.flash_attention and not layout.recompute:
-        per_layer -= s * b * arch.hidden * 5 * arch.heads * s / (arch.hidden * t) * vb / 2
+    per_layer = layer_activation_bytes(arch, b, s, t, layout.recompute, vb, workload.flash_attention)
     activations = arch.layers * per_layer
     if layout.recompute:
         activations += layer_activation_bytes(arch, b, s, t, False, vb)
@@ -244,10 +249,16 @@ def inference(role: Role, layout: Layout, workload: Workload) -> Terms:
     `experience_keep`."""
     arch, vb = role.arch, workload.value_bytes
     b, s, t = workload.micro_batch, workload.seq, layout.tp
-    work = s * b * 6 * arch.hidden / t * vb
+    work = s * b * _block_width(arch) / t * vb
     if not workload.flash_attention:
         work += 2 * b * arch.heads / t * s * s * vb
     return Terms(activations=work, buffers=_gathered(role, layout, workload))
+
+
+def _block_width(arch: Arch) -> float:
+    """Values per token of one block's widest moment without autograd: its input and output and its MLP's
+    intermediate tensors (GPT-2: the 4h GELU; SwiGLU: gate, up and their product, 3i). GPT-2 at 4h: 6h."""
+    return 2 * arch.hidden + arch.intermediate * (3 if arch.traits.mlp == "swiglu" else 1)
 
 
 def experience_keep(role: Role, layout: Layout, workload: Workload) -> Terms:
@@ -268,7 +279,7 @@ def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     gen = layout.generation
     b, t = workload.micro_batch, gen.tp
     cache = cache_bytes(arch, b, workload.seq, t, gen.pp, vb, workload.cache)
-    prefill = workload.prompt_len * b * 6 * arch.hidden / t * vb
+    prefill = workload.prompt_len * b * _block_width(arch) / t * vb
     if not workload.flash_attention:
         prefill += 2 * b * arch.heads / t * workload.prompt_len ** 2 * vb
     gathered = role.params * vb / t if layout.generation_tp else _gathered(role, layout, workload)

@@ -64,7 +64,7 @@ def phase_seconds(role: Role, layout: Layout, workload: Workload, cluster: Clust
     if phase == "generation":
         prompts = workload.global_batch * workload.prompt_len
         prefill = (2 * n + attention) * prompts / (gpus * peak) * fill
-        cache_stage = workload.micro_batch * workload.seq * 2 * arch.layers * arch.hidden * vb / (tp * pp)
+        cache_stage = workload.micro_batch * workload.seq * 2 * arch.layers * arch.kv_width * vb / (tp * pp)
         per_token = max((stage_weights + cache_stage) / (cluster.spec.hbm_gbps * GB),
                         2 * n * workload.micro_batch / (tp * pp * peak))
         decode = workload.answer_len * (micro + pp - 1) * per_token

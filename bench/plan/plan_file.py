@@ -29,6 +29,8 @@ from bench.plan.cluster import ROLE_PHASES, ROLES, Cluster, Layout, Workload
 from bench.plan.physics import Arch
 
 MODEL_KEYS = ("hidden", "layers", "heads", "vocab", "positions")
+# optional: a Llama-style family and the dimensions its presets give (null or absent: the family's defaults)
+ARCH_KEYS = {"arch": "family", "kv_heads": "kv_heads", "intermediate": "intermediate", "tie_embeddings": "tied"}
 ROLE_KEYS = ("stages", "tp", "pp", "dp", "zero", "requires_grad", "offload", "recompute", "group",
              "generation_tp")
 TOP_KEYS = ("model", "critic_model", "cluster", "workload", "placement", "predicted", "execution_plan")
@@ -55,13 +57,27 @@ def arch_of(model: Any, key: str = "model") -> tuple[str, Arch]:
         values, name = model, str(model.get("name", "custom"))
     else:
         raise PlanError(f"{key}={model!r} must be a conf/model name or a mapping of {', '.join(MODEL_KEYS)}")
-    missing = [k for k in MODEL_KEYS if k not in values]
+    if values.get("path"):  # a local checkpoint (model=checkpoint model.path=DIR): its config.json's dimensions
+        values = _checkpoint_values(values, key)
+    missing = [k for k in MODEL_KEYS if values.get(k) is None]
     if missing:
         raise PlanError(f"{key} lacks {', '.join(missing)}")
+    optional = {field: values[k] for k, field in ARCH_KEYS.items() if values.get(k) is not None}
     try:
-        return name, Arch(**{k: values[k] for k in MODEL_KEYS})
-    except ValueError as err:
+        return name, Arch(**{k: values[k] for k in MODEL_KEYS}, **optional)
+    except (TypeError, ValueError) as err:
         raise PlanError(f"{key}: {err}") from None
+
+
+def _checkpoint_values(values: dict[str, Any], key: str) -> dict[str, Any]:
+    from bench.run.spec import ModelSpec, SpecError
+
+    try:
+        model = ModelSpec(**{**values, "dropout": values.get("dropout") or 0.0,
+                             "lr": values.get("lr") or {"sft": 1, "rm": 1, "actor": 1, "critic": 1}})
+    except (SpecError, TypeError) as err:
+        raise PlanError(f"{key}: {err}") from None
+    return {**values, **{k: getattr(model, k) for k in (*MODEL_KEYS, *ARCH_KEYS)}}
 
 
 def _dataclass(cls: type, values: Any, key: str) -> Any:
@@ -129,8 +145,9 @@ def layouts_of(plan: Any, arch: Arch, critic_arch: Arch, cluster: Cluster
         tp = _int(role, "tp", entry.get("tp", 1), 1, cluster.gpus_per_node)
         pp = _int(role, "pp", entry.get("pp", 1), 1, shape.layers)
         dp = _int(role, "dp", entry.get("dp", 1), 1, cluster.gpus)
-        if shape.heads % tp:
-            raise PlanError(f"execution_plan.{role}.tp={tp} must divide the model's {shape.heads} attention heads")
+        if shape.heads % tp or shape.kv_heads % tp:
+            raise PlanError(f"execution_plan.{role}.tp={tp} must divide the model's {shape.heads} attention heads "
+                            f"and its {shape.kv_heads} K/V heads")
         zero = _int(role, "zero", entry.get("zero", 0), 0, 3)
         if not trained and zero not in (0, 3):
             raise PlanError(f"execution_plan.{role}.zero={zero}: a frozen role has no gradients or optimizer; "
@@ -140,9 +157,11 @@ def layouts_of(plan: Any, arch: Arch, critic_arch: Arch, cluster: Cluster
             raise PlanError(f"execution_plan.{role}.offload=true needs a trained role at zero >= 1")
         recompute = _bool(role, "recompute", entry.get("recompute", False))
         generation_tp = _int(role, "generation_tp", entry.get("generation_tp", 0), 0, cluster.gpus_per_node)
-        if generation_tp and (role != "actor" or shape.heads % generation_tp or (tp * pp * dp) % generation_tp):
+        if generation_tp and (role != "actor" or shape.heads % generation_tp or shape.kv_heads % generation_tp
+                              or (tp * pp * dp) % generation_tp):
             raise PlanError(f"execution_plan.{role}.generation_tp={generation_tp}: only the actor generates; its "
-                            f"generation tp must divide the {shape.heads} heads and its {tp * pp * dp} GPUs")
+                            f"generation tp must divide the {shape.heads} heads, the {shape.kv_heads} K/V heads and "
+                            f"its {tp * pp * dp} GPUs")
         group = entry.get("group", "all")
         if not isinstance(group, str) or not group:
             raise PlanError(f"execution_plan.{role}.group={group!r} must be a name")

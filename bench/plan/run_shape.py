@@ -12,14 +12,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.plan.physics import (
-    LINEAR_INPUTS,
     Arch,
     Terms,
     cache_bytes,
     dtype_bytes,
     inference_activation_bytes,
+    layer_saved_bytes,
     logits_bytes,
-    standin_layer_bytes,
 )
 from bench.run.spec import RunSpec
 
@@ -52,7 +51,8 @@ class RunShape:
     def from_spec(cls, spec: RunSpec, stage: str, device: str = "cpu") -> RunShape:
         model = spec.model
         arch = Arch(hidden=model.hidden, layers=model.layers, heads=model.heads, vocab=model.vocab,
-                    positions=model.positions)
+                    positions=model.positions, family=model.arch, kv_heads=model.kv_heads,
+                    intermediate=model.intermediate, tied=model.tie_embeddings)
         return cls(arch=arch, stage=stage, precision=spec.precision, zero=spec.zero, lora=spec.lora,
                    batch=spec.batch, prompt_len=spec.prompt_len, answer_len=spec.answer_len,
                    data_parallel=spec.data_parallel, tp=spec.tp, pp=spec.pp, grad_ckpt=spec.grad_ckpt,
@@ -103,37 +103,40 @@ def quantized_weight_bytes(weights: float, rows: float, mode: str, library: str 
 
 def frozen_role(shape: RunShape, role: str, params: float, weight_bytes: int, shard: int = 1) -> Terms:
     """A frozen whole-model role (reference or reward): in `weight_bytes` per value, sharded `shard` ways -- or,
-    quantized (shape.quant), its blocks' linear weights (12h^2 a block, 9h output rows) in 8 or 4 bits and the
-    rest (embeddings, norms, biases, heads) as before, whole on every rank."""
+    quantized (shape.quant), its blocks' linear weights (GPT-2: 12h^2 a block, 9h output rows) in 8 or 4 bits
+    and the rest (embeddings, norms, biases, heads) as before, whole on every rank."""
     mode = dict(shape.quant).get(role, "none")
     if mode == "none":
         return frozen_state(params, weight_bytes, shard)
-    h, layers = shape.arch.hidden, shape.arch.layers
-    weights = layers * 12 * h * h
+    weights = shape.arch.block_weights()
     return Terms(params=(params - weights) * weight_bytes + quantized_weight_bytes(
-        weights, layers * 9 * h, mode, shape.quant_library, weight_bytes))
+        weights, shape.arch.block_rows(), mode, shape.quant_library, weight_bytes))
 
 
 def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0, dropout: bool = False,
-                     linear_inputs: float = LINEAR_INPUTS, frozen_layers: int = 0) -> Terms:
-    """A trained forward and backward over `sequences` x `seq` tokens on one rank: what the stand-in's
-    blocks save for the backward (all of them, of which `frozen_layers` keep no linear inputs; with gradient
-    checkpointing only their inputs plus one block rebuilt), the embedding and final LayerNorm outputs, and
-    `logits_copies` [sequences, seq, vocab] tensors counted in units of the compute dtype (an fp32 upcast
-    counts 2 at 16 bits)."""
+                     linear_inputs: float | None = None, frozen_layers: int = 0, trained_norms: bool = True
+                     ) -> Terms:
+    """A trained forward and backward over `sequences` x `seq` tokens on one rank: what the blocks save for the
+    backward (physics.layer_saved_bytes; every block's linear maps keep their inputs -- `linear_inputs`
+    h-values, default all of them -- but `frozen_layers`, which keep none; `trained_norms`: whether the
+    norms' weights train, which an RMSNorm's saved output follows; with gradient checkpointing only the
+    blocks' inputs plus one block rebuilt), the embedding and final norm outputs, and `logits_copies`
+    [sequences, seq, vocab] tensors counted in units of the compute dtype (an fp32 upcast counts 2 at 16
+    bits)."""
     arch = shape.arch
     vb = shape.value_bytes
     n = arch.layers
     sbh = sequences * seq * arch.hidden
     drop = dropout and shape.dropout > 0
+    inputs = arch.linear_inputs() if linear_inputs is None else linear_inputs
 
-    def block(inputs: float) -> float:
-        return standin_layer_bytes(arch, sequences, seq, vb, drop, shape.device, inputs) / shape.tp
+    def block(inputs: float, norms: bool) -> float:
+        return layer_saved_bytes(arch, sequences, seq, vb, drop, shape.device, inputs, norms) / shape.tp
 
     if shape.grad_ckpt:
-        kept = n * 2 * sbh * vb + block(linear_inputs)
+        kept = n * 2 * sbh * vb + block(inputs, trained_norms)
     else:
-        kept = (n - frozen_layers) * block(linear_inputs) + frozen_layers * block(0)
+        kept = (n - frozen_layers) * block(inputs, trained_norms) + frozen_layers * block(0, False)
     # 1F1B: the first pipeline stage holds pp micro-batches of layers/pp blocks, the whole model's worth
     activations = kept + 3 * sbh * vb
     return Terms(activations=activations,

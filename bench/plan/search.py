@@ -132,6 +132,12 @@ def evaluate(placement: str, roles: dict[str, Role], layouts: dict[str, Layout],
                 cluster.safety * cluster.host_mem_gb * GB, cluster.gpus_per_node)
 
 
+def divides_heads(arch: Arch, tp: int) -> bool:
+    """Tensor parallelism splits whole heads: tp must divide the query heads and the K/V heads (Megatron's and
+    colossalai's shardformer rule for grouped-query attention)."""
+    return arch.heads % tp == 0 and arch.kv_heads % tp == 0
+
+
 def _powers(limit: int) -> list[int]:
     out, value = [], 1
     while value <= limit:
@@ -143,7 +149,7 @@ def _powers(limit: int) -> list[int]:
 def layouts_for(role: Role, gpus: int, workload: Workload, cluster: Cluster, offload: bool) -> Iterator[Layout]:
     arch = role.arch
     for tp in _powers(min(cluster.gpus_per_node, gpus)):
-        if arch.heads % tp:
+        if not divides_heads(arch, tp):
             continue
         for pp in _powers(gpus // tp):
             if arch.layers % pp or gpus % (tp * pp):
@@ -153,10 +159,10 @@ def layouts_for(role: Role, gpus: int, workload: Workload, cluster: Cluster, off
                 continue  # every replica needs at least one micro-batch of the step's prompts
             zeros = (0, 1, 2, 3) if role.trained else (0, 3)
             for zero in zeros:
-                if zero and dp == 1:
-                    continue  # nothing to partition over
                 for recompute in ((False, True) if role.trained else (False,)):
                     for off in ((False, True) if offload and role.trained and zero >= 1 else (False,)):
+                        if zero and dp == 1 and not off:
+                            continue  # nothing to partition over; ZeRO-Offload still moves the states to the host
                         for gen_tp in _generation_tps(role, tp, pp, gpus, cluster):
                             yield Layout(tp, pp, dp, zero, off, recompute, gen_tp)
 
@@ -166,7 +172,7 @@ def _generation_tps(role: Role, tp: int, pp: int, gpus: int, cluster: Cluster) -
     0 (its training layout) or a tp that divides the heads and differs from that layout."""
     if role.name != "actor":
         return [0]
-    extra = [t for t in _powers(min(cluster.gpus_per_node, gpus)) if role.arch.heads % t == 0 and gpus % t == 0
+    extra = [t for t in _powers(min(cluster.gpus_per_node, gpus)) if divides_heads(role.arch, t) and gpus % t == 0
              and (t, 1) != (tp, pp)]
     return [0, *extra]
 

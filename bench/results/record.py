@@ -99,6 +99,8 @@ class StageRecord:
 class ResultRecord:
     run_id: str  # the run's directory name
     config: dict[str, Any]  # the fully resolved Hydra config
+    model: dict[str, Any] = field(default_factory=dict)  # the model as built: family and dimensions (a checkpoint's
+    # own at model.path, the family's defaults filled in)
     status: str = "ok"  # the first failed stage's status (and its error below), else ok
     error: dict[str, Any] | None = None  # the first failed stage's error, or a refusal before any stage ran
     schema_version: int = SCHEMA_VERSION  # bumped when a figure's meaning changes

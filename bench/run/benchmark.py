@@ -7,6 +7,7 @@ rewritten after every stage, so a failing stage never loses the stages before it
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -178,7 +179,8 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
     remove_torn_writes(run_dir)
-    record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config,
+    model = {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "lr"}
+    record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config, model=model,
                           harness_extension=registry.options_class(spec.framework).harness_extensions(spec),
                           preflight=preflight, batch=batch_shape(spec.batch, spec.grad_accum, spec.data_parallel))
     record_path = os.path.join(run_dir, RECORD_FILE)

@@ -1,8 +1,10 @@
-"""Model registry: GLM-shaped causal LMs built from config with random weights, or a local checkpoint.
+"""Model registry: causal LMs of the families in bench.run.families, built from config with random weights,
+or a local checkpoint.
 
 GLM-10B is pre-LN with a fused QKV projection, a 4h GELU MLP, learned position embeddings and tied
 input/output embeddings. A GPT-2-architecture config with GLM's proportions has exactly these traits,
 so it stands in honestly (GLM's second, block-position table and its `mems` decoding are not modelled).
+The Llama-style families (llama, qwen2, mistral, glm = GLM-4) are transformers' own classes.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel, GPT2Model, PretrainedConfig
+import transformers
+from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, PretrainedConfig
 
 from bench.measure.params import ParamCounts
+from bench.run.families import MODEL_TYPES, Family, family
 from bench.run.spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision -> dtype
@@ -27,15 +31,39 @@ def gpt2_config(model: ModelSpec) -> GPT2Config:
         n_embd=model.hidden,
         n_layer=model.layers,
         n_head=model.heads,
-        n_inner=4 * model.hidden,
+        n_inner=model.intermediate,
         activation_function="gelu_new",
         resid_pdrop=model.dropout,
         embd_pdrop=model.dropout,
         attn_pdrop=model.dropout,
-        tie_word_embeddings=True,
+        tie_word_embeddings=model.tie_embeddings,
         bos_token_id=1,
         eos_token_id=1,
         pad_token_id=0,
+    )
+
+
+def family_config(model: ModelSpec) -> PretrainedConfig:
+    """The transformers config of `model`'s family at its dimensions (rotary base, norm epsilon and the other
+    settings that set no memory or FLOPs: transformers' defaults)."""
+    if model.arch == "gpt2":
+        return gpt2_config(model)
+    config_class = getattr(transformers, model.family.config_class)
+    return config_class(
+        hidden_size=model.hidden,
+        intermediate_size=model.intermediate,
+        num_hidden_layers=model.layers,
+        num_attention_heads=model.heads,
+        num_key_value_heads=model.kv_heads,
+        head_dim=model.hidden // model.heads,
+        vocab_size=model.vocab,
+        max_position_embeddings=model.positions,
+        tie_word_embeddings=model.tie_embeddings,
+        attention_dropout=0.0,
+        bos_token_id=1,
+        eos_token_id=1,
+        pad_token_id=0,
+        **model.family.extra,
     )
 
 
@@ -44,7 +72,7 @@ def model_config(model: ModelSpec) -> PretrainedConfig:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model.path, local_files_only=True)
-    return gpt2_config(model)
+    return family_config(model)
 
 
 _build_seconds = [0.0]  # this process's time inside the builders below (read by the worker: model_build_s)
@@ -77,14 +105,8 @@ def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
     run's half-precision partitions, and a cast back to fp32 would make ZeRO-3 see an fp32 model (it then
     picks a static loss scale of 1 for fp16)."""
     if model.path:
-        loaded = AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=torch.float32)
-        if loaded.config.vocab_size < model.vocab:
-            raise ValueError(
-                f"model.path={model.path} has vocab_size {loaded.config.vocab_size} < model.vocab={model.vocab}, "
-                "the synthetic data's token range; set model.vocab to at most the checkpoint's vocabulary"
-            )
-        return loaded
-    return GPT2LMHeadModel(gpt2_config(model))
+        return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=torch.float32)
+    return getattr(transformers, model.family.causal_lm_class)(family_config(model))
 
 
 @_timed
@@ -93,22 +115,23 @@ def build_backbone(model: ModelSpec) -> torch.nn.Module:
     or the local checkpoint at model.path."""
     if model.path:
         return AutoModel.from_pretrained(model.path, local_files_only=True)
-    return GPT2Model(gpt2_config(model))
+    return getattr(transformers, model.family.backbone_class)(family_config(model))
 
 
 def count_params(module: torch.nn.Module) -> ParamCounts:
-    seen: dict[int, torch.nn.Parameter] = {}
-    positional = positional_trainable = 0
-    for name, param in module.named_parameters(remove_duplicate=True):
-        numel = _full_numel(param)
-        seen[id(param)] = param
-        if name.endswith("wpe.weight") or "position_embeddings" in name:
-            positional += numel
-            positional_trainable += numel if param.requires_grad else 0
+    """Total and trainable parameters, and those a token multiplies through (`compute`, bench.measure.flops):
+    all but the tables a token only looks up -- position tables, and an input embedding that is not also the
+    LM head (untied, or a backbone under a value head)."""
+    seen = {id(p): p for p in module.parameters()}
+    multiplied = {id(m.weight) for m in module.modules() if isinstance(m, torch.nn.Linear)}
+    lookups = {id(m.weight): m.weight for m in module.modules()
+               if isinstance(m, torch.nn.Embedding) and id(m.weight) not in multiplied}
+    lookup = sum(_full_numel(p) for p in lookups.values())
+    lookup_trainable = sum(_full_numel(p) for p in lookups.values() if p.requires_grad)
     total = sum(_full_numel(p) for p in seen.values())
     trainable = sum(_full_numel(p) for p in seen.values() if p.requires_grad)
-    return ParamCounts(total=total, trainable=trainable, compute=total - positional,
-                       compute_trainable=trainable - positional_trainable)
+    return ParamCounts(total=total, trainable=trainable, compute=total - lookup,
+                       compute_trainable=trainable - lookup_trainable)
 
 
 def _full_numel(param: torch.nn.Parameter) -> int:
@@ -119,7 +142,7 @@ def _full_numel(param: torch.nn.Parameter) -> int:
 def meta_param_count(model: ModelSpec) -> ParamCounts:
     """Parameter counts of a model without allocating it (works for GLM-10B on a laptop)."""
     with torch.device("meta"):
-        module = GPT2LMHeadModel(gpt2_config(model))
+        module = getattr(transformers, model.family.causal_lm_class)(family_config(model))
     return count_params(module)
 
 
@@ -128,3 +151,24 @@ def set_dropout(module: torch.nn.Module, p: float) -> None:
     for layer in module.modules():
         if isinstance(layer, torch.nn.Dropout):
             layer.p = p
+
+
+def backbone_prefix(model: ModelSpec) -> str:
+    """Where a causal LM of `model`'s family keeps its backbone, as its state dict names it (GPT-2's transformer,
+    Llama's model)."""
+    return getattr(transformers, model.family.causal_lm_class).base_model_prefix
+
+
+def family_of(model: torch.nn.Module) -> Family:
+    """The family of a built transformers model (a causal LM or its backbone), from its config's model_type."""
+    return family(MODEL_TYPES[model.config.model_type])
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The block list of a causal LM or a backbone of any family (GPT-2's transformer.h, Llama's model.layers)."""
+    return getattr(model.base_model, family_of(model).blocks)
+
+
+def final_norm(model: torch.nn.Module) -> torch.nn.Module:
+    """The norm after the last block (GPT-2's ln_f, Llama's norm)."""
+    return getattr(model.base_model, family_of(model).final_norm)

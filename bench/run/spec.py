@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench.measure.trend import MIN_POINTS, first_fitted_step
+from bench.run.families import ARCHS, MEANINGS, MODEL_TYPES, Family, family
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -30,9 +31,6 @@ DEVICES = ("auto", "cpu", "cuda")
 # Run tags the report acts on. forced-failure: the run is meant to fail (a forced divergence); it shows in
 # the stability table and is never evidence for a claim, a decision or a figure of trained runs.
 TAGS = ("forced-failure",)
-# Architectures a local checkpoint (model.path) may have: the adapters reach into GPT-2's modules (transformer.h,
-# c_attn, ln_f), the architecture the GLM stand-in is built on.
-MODEL_TYPES = ("gpt2",)
 # Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
 MIN_VOCAB = 64
 
@@ -116,14 +114,19 @@ def _positive_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _model_path(path: Any) -> None:
+def _checkpoint_config(path: Any) -> dict[str, Any]:
+    """config.json of the local checkpoint at model.path, refused unless its architecture is one of ARCHS."""
+    if path == "???":  # OmegaConf's mandatory value, left unset: model=checkpoint without model.path
+        raise SpecError("model=checkpoint needs model.path=DIR, a local Hugging Face checkpoint directory "
+                        "(config.json and weights)")
     if not isinstance(path, str) or not os.path.isdir(path):
         raise SpecError(f"model.path={path!r} is not a directory; give a local Hugging Face checkpoint "
                         "directory (config.json and weights) or leave it null for a model built from model.*")
     config_file = os.path.join(path, "config.json")
     try:
         with open(config_file) as f:
-            model_type = json.load(f).get("model_type")
+            config = json.load(f)
+        model_type = config.get("model_type")
     except FileNotFoundError:
         raise SpecError(f"model.path={path!r} holds no config.json; it must be a Hugging Face checkpoint "
                         "directory") from None
@@ -131,7 +134,26 @@ def _model_path(path: Any) -> None:
         raise SpecError(f"model.path={path!r}: config.json cannot be read as a JSON object ({err})") from None
     if model_type not in MODEL_TYPES:
         raise SpecError(f"model.path={path!r} holds model_type={model_type!r}; the adapters support "
-                        f"{', '.join(MODEL_TYPES)} (the architecture of the GLM stand-in)")
+                        f"{', '.join(MODEL_TYPES)}")
+    return config
+
+
+def _checkpoint_dims(config: dict[str, Any]) -> dict[str, Any]:
+    """The model.* dimensions a checkpoint's config.json sets, under our names (transformers' defaults where
+    the file leaves a key out, as from_pretrained fills them)."""
+    arch = MODEL_TYPES[config["model_type"]]
+    if arch == "gpt2":
+        hidden = config.get("n_embd", 768)
+        return {"arch": arch, "hidden": hidden, "layers": config.get("n_layer", 12), "heads": config.get("n_head", 12),
+                "kv_heads": None, "intermediate": config.get("n_inner") or 4 * hidden,
+                "vocab": config.get("vocab_size", 50257), "positions": config.get("n_positions", 1024),
+                "tie_embeddings": config.get("tie_word_embeddings", True)}
+    heads = config.get("num_attention_heads")
+    return {"arch": arch, "hidden": config.get("hidden_size"), "layers": config.get("num_hidden_layers"),
+            "heads": heads, "kv_heads": config.get("num_key_value_heads") or heads,
+            "intermediate": config.get("intermediate_size"), "vocab": config.get("vocab_size"),
+            "positions": config.get("max_position_embeddings"),
+            "tie_embeddings": config.get("tie_word_embeddings", family(arch).tied_default)}
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -140,35 +162,84 @@ def _bool(name: str, value: Any) -> bool:
     return value
 
 
+# model.* keys a checkpoint at model.path sets: null takes the checkpoint's, a value must equal it
+CHECKPOINT_KEYS = ("arch", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "positions",
+                   "tie_embeddings")
+
+
 @dataclass(frozen=True)
 class ModelSpec:
+    """A model built from its dimensions (random weights) or a local checkpoint (model.path). Family defaults
+    (bench.run.families) fill kv_heads (= heads), intermediate (GPT-2: 4 x hidden) and tie_embeddings."""
+
     name: str
     path: str | None
-    hidden: int
-    layers: int
-    heads: int
-    vocab: int
-    positions: int
+    hidden: int | None
+    layers: int | None
+    heads: int | None
+    vocab: int | None
+    positions: int | None
     dropout: float
     lr: dict[str, float]
+    arch: str | None = "gpt2"
+    kv_heads: int | None = None
+    intermediate: int | None = None
+    tie_embeddings: bool | None = None
 
     def __post_init__(self) -> None:
-        for key in ("hidden", "layers", "heads", "positions"):
-            _int(f"model.{key}", getattr(self, key), 1)
-        _int("model.vocab", self.vocab, MIN_VOCAB)
         if self.path is not None:
-            _model_path(self.path)
+            self._take_checkpoint_dims()
+        _choice("model.arch", self.arch, ARCHS)
+        traits = family(self.arch)
+        defaults = {"kv_heads": self.heads, "tie_embeddings": traits.tied_default,
+                    "intermediate": 4 * self.hidden if self.arch == "gpt2" and isinstance(self.hidden, int) else None}
+        for key, value in defaults.items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        for key in ("hidden", "layers", "heads", "positions", "kv_heads"):
+            _int(f"model.{key}", getattr(self, key), 1)
+        if self.intermediate is None:
+            raise SpecError(f"model.intermediate=null: the {self.arch} family has no default MLP width; give one")
+        _int("model.intermediate", self.intermediate, 1)
+        _int("model.vocab", self.vocab, MIN_VOCAB)
+        _bool("model.tie_embeddings", self.tie_embeddings)
         if self.hidden % self.heads:
             raise SpecError(f"model.heads={self.heads} must divide model.hidden={self.hidden}")
+        if self.heads % self.kv_heads:
+            raise SpecError(f"model.kv_heads={self.kv_heads} must divide model.heads={self.heads}")
+        if self.arch == "gpt2" and self.kv_heads != self.heads:
+            raise SpecError(f"model.kv_heads={self.kv_heads}: the gpt2 family has no grouped-query attention; "
+                            f"leave it null (= model.heads={self.heads})")
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
             raise SpecError(f"model.dropout={self.dropout!r} must be a number in [0, 1)")
         if not 0.0 <= self.dropout < 1.0:
             raise SpecError(f"model.dropout={self.dropout} must be in [0, 1)")
+        if self.dropout and not traits.residual_dropout:
+            raise SpecError(f"model.dropout={self.dropout}: the {self.arch} family has no dropout in its residual "
+                            "stream (its configs train without); set model.dropout=0")
         missing = {"sft", "rm", "actor", "critic"} - set(self.lr)
         if missing:
             raise SpecError(f"model.lr lacks {sorted(missing)}; it needs sft, rm, actor and critic")
         for role, value in self.lr.items():
             _positive_float(f"model.lr.{role}", value)
+
+    def _take_checkpoint_dims(self) -> None:
+        """Fills the null keys from the checkpoint's config.json and refuses a value that differs from it (a
+        preset's dimensions would otherwise describe a model that is not the one loaded)."""
+        dims = _checkpoint_dims(_checkpoint_config(self.path))
+        for key in CHECKPOINT_KEYS:
+            given = getattr(self, key)
+            if given is None:
+                object.__setattr__(self, key, dims[key])
+            elif dims[key] is not None and given != dims[key]:
+                raise SpecError(
+                    f"model.{key}={given!r} differs from the checkpoint's {dims[key]!r} (model.path={self.path}): "
+                    f"the checkpoint sets the model's dimensions; use model=checkpoint (every dimension null) or "
+                    f"give the checkpoint's own")
+
+    @property
+    def family(self) -> Family:
+        return family(self.arch)
 
 
 @dataclass(frozen=True)
@@ -257,27 +328,47 @@ class CheckpointSpec:
         _bool("checkpoint.async", self.background)
 
 
-# LoRA target layers of a transformer block, named by what they compute (GLM: query_key_value, dense,
-# dense_h_to_4h, dense_4h_to_h); `lora_targets` takes one of LORA_TARGET_SETS or a list of these names.
-LORA_TARGET_NAMES = ("qkv", "attn_out", "mlp_in", "mlp_out")
-LORA_TARGET_SETS = {"all": LORA_TARGET_NAMES, "attention": ("qkv", "attn_out"), "qkv": ("qkv",)}
+# LoRA target layers of a transformer block, named by what they compute (bench.run.families MEANINGS: q, k, v,
+# o, gate, up, down); `lora_targets` takes one of LORA_TARGET_SETS or a list of meanings and LORA_TARGET_GROUPS.
+LORA_TARGET_NAMES = MEANINGS
+LORA_TARGET_GROUPS = {"qkv": ("q", "k", "v"), "attn_out": ("o",), "mlp_in": ("gate", "up"), "mlp_out": ("down",)}
+LORA_TARGET_SETS = {"all": MEANINGS, "attention": ("q", "k", "v", "o"), "mlp": ("gate", "up", "down"),
+                    "qkv": ("q", "k", "v")}
 
 
-def lora_target_set(targets: Any) -> tuple[str, ...] | None:
-    """The block layers `lora_targets` names, in LORA_TARGET_NAMES order; None = the framework's default."""
+def lora_target_set(targets: Any, arch: str = "gpt2") -> tuple[str, ...] | None:
+    """The meanings `lora_targets` adapts in a block of `arch`, in MEANINGS order; None = the framework's default.
+    A set or group takes the meanings the family has (GPT-2's MLP has no gate); a meaning named alone must
+    exist, and a module that computes several (GPT-2's c_attn: q, k, v; GLM-4's gate_up_proj) is adapted
+    whole or not at all."""
     if targets is None:
         return None
+    traits = family(arch)
     if isinstance(targets, str):
         _choice("lora_targets", targets, tuple(LORA_TARGET_SETS))
-        return LORA_TARGET_SETS[targets]
+        return tuple(m for m in LORA_TARGET_SETS[targets] if m in traits.modules)
+    names = (*LORA_TARGET_NAMES, *LORA_TARGET_GROUPS)
     if not isinstance(targets, (list, tuple)) or not targets:
         raise SpecError(f"lora_targets={targets!r} must be null (the framework's default), one of "
-                        f"{sorted(LORA_TARGET_SETS)} or a non-empty list of {list(LORA_TARGET_NAMES)}")
+                        f"{sorted(LORA_TARGET_SETS)} or a non-empty list of {list(names)}")
+    chosen: list[str] = []
     for name in targets:
-        _choice("lora_targets", name, LORA_TARGET_NAMES)
-    if len(set(targets)) != len(targets):
+        _choice("lora_targets", name, names)
+        if name in LORA_TARGET_GROUPS:
+            chosen += [m for m in LORA_TARGET_GROUPS[name] if m in traits.modules]
+        elif name not in traits.modules:
+            raise SpecError(f"lora_targets={list(targets)!r}: the {arch} family has no {name!r} map; it has "
+                            f"{', '.join(traits.meanings)}")
+        else:
+            chosen.append(name)
+    if len(set(chosen)) != len(chosen):
         raise SpecError(f"lora_targets={list(targets)!r} names a layer twice")
-    return tuple(n for n in LORA_TARGET_NAMES if n in targets)
+    for meaning in chosen:
+        fused = traits.fused_with(meaning)
+        if not set(fused) <= set(chosen):
+            raise SpecError(f"lora_targets={list(targets)!r}: the {arch} family computes {', '.join(fused)} in one "
+                            f"module ({traits.modules[meaning]}); name all of them or none")
+    return tuple(m for m in MEANINGS if m in chosen)
 
 
 QUANT_MODES = ("none", "int8", "nf4")
@@ -443,7 +534,7 @@ class RunSpec:
                 f"prompt_len + answer_len = {self.prompt_len + self.answer_len} exceeds "
                 f"model.positions={self.model.positions}"
             )
-        lora_target_set(self.lora_targets)
+        lora_target_set(self.lora_targets, self.model.arch)
         if self.lora_alpha is not None:
             _positive_float("lora_alpha", self.lora_alpha)
         for key in ("lora_targets", "lora_alpha"):
@@ -491,8 +582,8 @@ class RunSpec:
 
     @property
     def lora_target_set(self) -> tuple[str, ...] | None:
-        """The block layers LoRA adapts (LORA_TARGET_NAMES); None: each framework's upstream default."""
-        return lora_target_set(self.lora_targets)
+        """The block's maps LoRA adapts (meanings, LORA_TARGET_NAMES); None: each framework's upstream default."""
+        return lora_target_set(self.lora_targets, self.model.arch)
 
     def lora_alpha_or(self, upstream: float) -> float:
         """The LoRA alpha a framework applies: `lora_alpha` where set, else its upstream default."""
