@@ -252,11 +252,20 @@ def test_hybrid_engine_generation_gathers_the_weights_into_its_own_layout():
     assert he.generation == Layout(tp=4, pp=1, dp=2) and "gen d2p1m4" in he.notation
     from bench.plan.cluster import generation
     g = generation(actor, he, w)
-    # the whole model gathered into 4 shards (2 Psi / 4), the KV cache split 4 ways
+    # the whole model gathered into 4 shards (2 Psi / 4); the prompts all-gathered over the 4-way group, so
+    # each GPU decodes 4 x 2 sequences on a quarter of the heads: a whole micro-batch's KV cache, 2 layers'
+    # K and V x 48 x 4096 x 2 bytes x 2 sequences x 1,024 tokens = 1,610,612,736 bytes (not / 4). DeepSpeed
+    # keeps it as its workspace through every phase (resident) unless release_inference_cache
+    kv = 2 * 48 * 4096 * 2 * 2 * 1024
     assert g.buffers == pytest.approx(2 * PSI / 4)
-    assert g.cache == pytest.approx(2 * 48 * 4096 * 2 * 2 * 1024 / 4)
+    assert g.cache == 0 and resident(actor, he, w).cache == pytest.approx(kv)
+    released = Workload(micro_batch=2, release_inference_cache=True)
+    assert generation(actor, he, released).cache == pytest.approx(kv) and resident(actor, he, released).cache == 0
+    # the prefill works on the 8 gathered sequences, each GPU on a quarter of the widths: 512 x 8 x 6h / 4
+    assert g.activations == pytest.approx(512 * 8 * 6 * 4096 / 4 * 2 + 2 * 8 * 64 / 4 * 512 ** 2 * 2)
     plain = generation(actor, Layout(dp=8, zero=3), w)
     assert plain.buffers == pytest.approx(2 * 2 * GLM_10B.largest_layer_params)  # a layer and its prefetch
+    assert plain.cache == pytest.approx(kv) and resident(actor, Layout(dp=8, zero=3), w).cache == 0
 
 
 def test_plan_files_round_trip(tmp_path):
@@ -272,3 +281,68 @@ def test_plan_files_round_trip(tmp_path):
         data["cluster"]))
     assert again == layouts and again_groups == groups
     assert "actor: {stages: [generation, inference, training]" in path.read_text()
+
+
+def test_lora_styles_critic_rank_and_offloaded_frozen_roles_by_hand():
+    from bench.plan.cluster import experience_keep, host_bytes
+    from bench.plan.search import make_roles
+
+    # DS-Chat's LoRA freezes only the wrapped block weights (48 x 12 x 4096^2 = 9,663,676,416): the embeddings
+    # (50,304 + 1,024 positions) x 4096, biases and norms (48 x 13 x 4096) and the final norm keep training:
+    # 212,803,584 dense parameters with the usual optimizer states (ZeRO-2 over 8: 12 bytes / 8)
+    dense = PSI - 48 * 12 * 4096 ** 2
+    assert dense == 212_803_584
+    unwrapped = Role("actor", GLM_10B, lora=8, lora_trains="unwrapped")
+    assert unwrapped.dense_trainable == dense and unwrapped.trainable == dense + GLM_10B.lora_params(8)
+    held = resident(unwrapped, Layout(dp=8, zero=2), Workload(lora=8, lora_trains="unwrapped"))
+    assert held.optimizer == pytest.approx(dense * 12 / 8) and held.lora == pytest.approx(GLM_10B.lora_params(8) * 3.75)
+    # the critic's own rank: DS-Chat's --critic_lora_dim 0 leaves it fully trained
+    roles = make_roles(GLM_10B, Workload(lora=8, critic_lora=0, lora_trains="unwrapped"))
+    assert roles["actor"].lora == 8 and roles["critic"].lora == 0
+    assert roles["critic"].trainable == GLM_10B.backbone_params + 4096
+    # --offload_reference_model: the reference's weights on the host
+    reference = Role("reference", GLM_10B)
+    offloaded = resident(reference, Layout(dp=8), Workload(offload_reference=True))
+    assert offloaded.params == 0 and offloaded.host == 2 * PSI
+    # ColossalChat's offload_inference_models: reference and reward leave the GPU while the others train
+    parked = Workload(offload_inference_models=True)
+    pair = [(reference, Layout(dp=8)), (Role("actor", GLM_10B), Layout(dp=8, zero=3))]
+    assert phase_terms(pair, "training", parked).params == pytest.approx(2 * PSI / 8)  # the actor's ZeRO-3 shard
+    assert phase_terms(pair, "inference", parked).params == pytest.approx(2 * PSI + 2 * PSI / 8)
+    assert host_bytes(reference, Layout(dp=8), parked) == 2 * PSI
+    # parallel_output=False: each of 4 tensor-parallel ranks keeps the whole vocabulary's logits
+    # (1 x 1,024 x 50,304 x 2 bytes = 103,022,592), not a quarter
+    actor = Role("actor", GLM_10B)
+    assert experience_keep(actor, Layout(tp=4, dp=2), Workload(parallel_output=False)).logits == 103_022_592
+    assert experience_keep(actor, Layout(tp=4, dp=2), Workload()).logits == 103_022_592 / 4
+
+
+def test_grouped_query_attention_and_zero_offload_on_one_gpu():
+    from bench.plan.cluster import experience_keep
+    from bench.plan.search import layouts_for
+
+    llama = plan_file.arch_of("llama3-8b")[1]
+    # the actor's KV cache of one 1,024-token sequence at 8 K/V heads: 2 x 32 x 1024 x 2 bytes x 1,024 tokens
+    assert experience_keep(Role("actor", llama), Layout(dp=8), Workload()).cache == 2 * 32 * 1024 * 2 * 1024
+    # tp must divide the K/V heads too: glm4-9b has 2, so tp 4 and 8 are never searched
+    glm4 = plan_file.arch_of("glm4-9b")[1]
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+    tps = {lay.tp for lay in layouts_for(Role("actor", glm4), 8, Workload(), cluster, offload=False)}
+    assert tps == {1, 2}
+    # ZeRO-Offload on one GPU: a ZeRO stage at dp = 1 is searched when it offloads
+    one = Cluster(nodes=1, gpus_per_node=1, gpu_mem_gb=80)
+    found = set(layouts_for(Role("actor", llama), 1, Workload(), one, offload=True))
+    assert Layout(dp=1, zero=2, offload=True) in found and Layout(dp=1, zero=2) not in found
+
+
+@pytest.mark.engine
+def test_cli_plans_an_overridden_preset_and_refuses_hostile_sizes():
+    done = _cli("model=glm-10b", "model.layers=24", "out=/dev/null")
+    assert done.returncode in (0, 1), done.stdout + done.stderr
+    assert "glm-10b (model.layers=24)" in done.stdout  # planned as changed, named by the change
+    for bad, words in (("model.heads=7", "heads=7 must divide hidden=4096"),
+                       ("cluster.gpu_mem_gb=nan", "cluster.gpu_mem_gb=nan must be a positive finite number"),
+                       ("cluster.host_mem_gb=inf", "cluster.host_mem_gb=inf must be a positive finite number"),
+                       ("cluster.gpu_mem_gb=-40", "cluster.gpu_mem_gb=-40 must be a positive finite number")):
+        done = _cli("model=glm-10b", bad)
+        assert done.returncode == 2 and words in done.stdout + done.stderr, (bad, done.stdout + done.stderr)

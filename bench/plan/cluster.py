@@ -35,6 +35,7 @@ TRAINED = ("actor", "critic")
 DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size default (values)
 MASTER_AND_MOMENTS = 12  # fp32 master weights, Adam's two moments: bytes per trained parameter
 OFFLOADED_GRADS = 4  # ZeRO-Offload keeps an fp32 gradient per trained parameter on the host
+LORA_TRAINS = ("factors", "unwrapped")
 
 
 @dataclass(frozen=True)
@@ -103,9 +104,17 @@ class Workload:
     prompt_len: int = 512
     answer_len: int = 512
     ppo_epochs: int = 1
-    lora: int = 0  # LoRA rank of the trained roles; 0 = full fine-tuning
+    lora: int = 0  # LoRA rank of the actor (and the critic unless critic_lora says otherwise); 0 = full fine-tuning
+    critic_lora: int | None = None  # the critic's own rank (DS-Chat's --critic_lora_dim, 0 by default); None = lora
+    lora_trains: str = "factors"  # factors: only the LoRA factors train (peft, coati); unwrapped: only the wrapped
+    # weights freeze, everything else trains (DS-Chat's LinearLayer_LoRA without --only_optimize_lora)
     cache: str = "kv"  # kv | mems (GLM's own decoding: per-layer hidden states)
     flash_attention: bool = False  # GLM-10B's own attention materialises the scores
+    release_inference_cache: bool = False  # DS-Chat's --release_inference_cache: the Hybrid Engine frees its KV
+    # workspace after each rollout (by default it stays allocated through training)
+    offload_reference: bool = False  # DS-Chat's --offload_reference_model: the reference's weights on the host
+    offload_inference_models: bool = False  # ColossalChat: reference and reward on the host outside experience
+    parallel_output: bool = True  # ColossalChat's parallel_output=False: every tp rank keeps whole-vocabulary logits
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
@@ -114,8 +123,17 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name}={value!r} must be an integer >= 1")
-        if isinstance(self.lora, bool) or not isinstance(self.lora, int) or self.lora < 0:
-            raise ValueError(f"workload.lora={self.lora!r} must be an integer >= 0")
+        for name in ("lora", "critic_lora"):
+            value = getattr(self, name)
+            if (value is not None or name == "lora") and (isinstance(value, bool) or not isinstance(value, int)
+                                                          or value < 0):
+                raise ValueError(f"workload.{name}={value!r} must be an integer >= 0")
+        if self.lora_trains not in LORA_TRAINS:
+            raise ValueError(f"workload.lora_trains={self.lora_trains!r}; allowed: {', '.join(LORA_TRAINS)}")
+        for name in ("flash_attention", "release_inference_cache", "offload_reference", "offload_inference_models",
+                     "parallel_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"workload.{name}={getattr(self, name)!r} must be true or false")
         if self.cache not in ("kv", "mems"):
             raise ValueError(f"workload.cache={self.cache!r}; allowed: kv, mems")
 
@@ -163,6 +181,7 @@ class Role:
     name: str
     arch: Arch
     lora: int = 0
+    lora_trains: str = "factors"  # Workload.lora_trains
 
     @property
     def trained(self) -> bool:
@@ -180,10 +199,19 @@ class Role:
         return self.arch.lora_params(self.lora) if self.trained and self.lora else 0
 
     @property
-    def trainable(self) -> int:
+    def dense_trainable(self) -> int:
+        """Trained parameters other than LoRA factors: all of them in full fine-tuning; with LoRA none
+        (factors) or all but the wrapped block weights (unwrapped: DS-Chat's embeddings, norms, biases, head)."""
         if not self.trained:
             return 0
-        return self.lora_params if self.lora else self.params
+        if not self.lora:
+            return self.params
+        return self.params - self.arch.block_weights() if self.lora_trains == "unwrapped" else 0
+
+    @property
+    def trainable(self) -> int:
+        """Every parameter that trains: the dense ones and the LoRA factors."""
+        return self.dense_trainable + self.lora_params
 
 
 def _shard(layout: Layout) -> int:
@@ -197,8 +225,10 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
     vb, shard = workload.value_bytes, _shard(layout)
     zero3 = layout.zero >= 3
     weights = role.params * vb / shard / (layout.dp if zero3 else 1)
-    terms = Terms(params=0.0 if (zero3 and layout.offload) else weights,
-                  host=weights if (zero3 and layout.offload) else 0.0)
+    on_host = (zero3 and layout.offload) or (role.name == "reference" and workload.offload_reference)
+    terms = Terms(params=0.0 if on_host else weights, host=weights if on_host else 0.0)
+    if _kept_workspace(role, layout, workload):
+        terms = terms + Terms(cache=hybrid_cache(role, layout, workload))
     if not role.trained:
         return terms
     master = MASTER_AND_MOMENTS if vb < 4 else 8
@@ -206,15 +236,43 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
         dp = layout.dp  # trained parameter: states from ZeRO-1, gradients from 2, weights at 3
         per_factor = (vb / (dp if zero3 else 1) + vb / (dp if layout.zero >= 2 else 1)
                       + master / (dp if layout.zero >= 1 else 1))
-        return terms + Terms(lora=role.lora_params * per_factor / shard)
-    states = role.trainable * master / shard / (layout.dp if layout.zero >= 1 else 1)
+        terms = terms + Terms(lora=role.lora_params * per_factor / shard)
+    dense = role.dense_trainable
+    if not dense:
+        return terms
+    states = dense * master / shard / (layout.dp if layout.zero >= 1 else 1)
     if layout.offload:
-        terms = terms + Terms(host=states + OFFLOADED_GRADS * role.trainable / shard / layout.dp)
+        terms = terms + Terms(host=states + OFFLOADED_GRADS * dense / shard / layout.dp)
     else:
         terms = terms + Terms(optimizer=states)
     if zero3:
-        terms = terms + Terms(buffers=vb * min(DEEPSPEED_BUCKET, role.trainable / shard))
+        terms = terms + Terms(buffers=vb * min(DEEPSPEED_BUCKET, dense / shard))
     return terms
+
+
+def parked(role: Role, workload: Workload) -> bool:
+    """ColossalChat's offload_inference_models: the reference and reward models go to the host after each
+    experience making and come back for the next, so they hold no GPU memory while the trained roles train."""
+    return workload.offload_inference_models and role.name in ("reference", "reward")
+
+
+def host_bytes(role: Role, layout: Layout, workload: Workload) -> float:
+    """What a role keeps in host memory: offloaded states and weights, and a parked role's weights."""
+    held = resident(role, layout, workload)
+    return held.host + (held.params if parked(role, workload) else 0.0)
+
+
+def hybrid_cache(role: Role, layout: Layout, workload: Workload) -> float:
+    """The Hybrid Engine's KV workspace per GPU: tp x micro-batch sequences (the prompts all-gathered over the
+    generation tp group) of the whole rollout, on 1/tp of the heads: a whole micro-batch's cache."""
+    gen = layout.generation
+    b, t = workload.micro_batch, gen.tp
+    return cache_bytes(role.arch, b * t, workload.seq, t, 1, workload.value_bytes, workload.cache)
+
+
+def _kept_workspace(role: Role, layout: Layout, workload: Workload) -> bool:
+    """DeepSpeed's inference workspace stays allocated between rollouts unless --release_inference_cache."""
+    return role.name == "actor" and bool(layout.generation_tp) and not workload.release_inference_cache
 
 
 def _gathered(role: Role, layout: Layout, workload: Workload) -> float:
@@ -234,11 +292,10 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     activations = arch.layers * per_layer
     if layout.recompute:
         activations += layer_activation_bytes(arch, b, s, t, False, vb)
-    grads = 0.0 if role.lora else role.trainable * vb / shard / (layout.dp if layout.zero >= 2 else 1)
-    bucket = 0.0
-    if layout.zero == 2 and not role.lora:
-        bucket = vb * min(DEEPSPEED_BUCKET, role.trainable / shard)
-    logits = logits_bytes(arch, b, s, t, 1) * (vb + 8) if role.name == "actor" else 0.0
+    dense = role.dense_trainable
+    grads = dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
+    bucket = vb * min(DEEPSPEED_BUCKET, dense / shard) if layout.zero == 2 and dense else 0.0
+    logits = logits_bytes(arch, b, s, _logit_split(layout, workload), 1) * (vb + 8) if role.name == "actor" else 0.0
     return Terms(grads=grads, activations=activations, logits=logits,
                  buffers=bucket + _gathered(role, layout, workload))
 
@@ -267,23 +324,36 @@ def experience_keep(role: Role, layout: Layout, workload: Workload) -> Terms:
         return Terms()
     arch, vb = role.arch, workload.value_bytes
     b, s = workload.micro_batch, workload.seq
-    return Terms(logits=logits_bytes(arch, b, s, layout.tp, vb),
+    return Terms(logits=logits_bytes(arch, b, s, _logit_split(layout, workload), vb),
                  cache=cache_bytes(arch, b, s, layout.tp, layout.pp, vb, workload.cache))
+
+
+def _logit_split(layout: Layout, workload: Workload) -> int:
+    """How many ways the vocabulary of the logits is split: tp (vocabulary-parallel output), or 1 where every
+    tensor-parallel rank gathers the whole vocabulary (ColossalChat's parallel_output=False)."""
+    return layout.tp if workload.parallel_output else 1
 
 
 def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     """On top of `resident`, the actor decoding a micro-batch: its cache at the full rollout length, the
     prefill's working set and the last step's fp32 logits; with a generation layout of its own (the Hybrid
-    Engine) also the weights gathered into that layout's shards."""
+    Engine) also the weights gathered into that layout's shards, and the prompts all-gathered across the
+    tensor-parallel group: each GPU decodes tp x micro-batch sequences on its share of the heads, so its
+    cache is a whole micro-batch's (the Hybrid Engine's workspace, which `resident` keeps unless released)."""
     arch, vb = role.arch, workload.value_bytes
     gen = layout.generation
     b, t = workload.micro_batch, gen.tp
-    cache = cache_bytes(arch, b, workload.seq, t, gen.pp, vb, workload.cache)
-    prefill = workload.prompt_len * b * _block_width(arch) / t * vb
+    if layout.generation_tp:
+        sequences = b * t
+        cache = 0.0 if _kept_workspace(role, layout, workload) else hybrid_cache(role, layout, workload)
+    else:
+        sequences = b
+        cache = cache_bytes(arch, b, workload.seq, t, gen.pp, vb, workload.cache)
+    prefill = workload.prompt_len * sequences * _block_width(arch) / t * vb
     if not workload.flash_attention:
-        prefill += 2 * b * arch.heads / t * workload.prompt_len ** 2 * vb
+        prefill += 2 * sequences * arch.heads / t * workload.prompt_len ** 2 * vb
     gathered = role.params * vb / t if layout.generation_tp else _gathered(role, layout, workload)
-    return Terms(cache=cache, activations=prefill, logits=b * arch.vocab / t * 4, buffers=gathered)
+    return Terms(cache=cache, activations=prefill, logits=sequences * arch.vocab / t * 4, buffers=gathered)
 
 
 TRANSIENT = {"generation": generation, "inference": inference, "training": training}
@@ -301,6 +371,8 @@ def phase_terms(roles: list[tuple[Role, Layout]], phase: str, workload: Workload
     experience outputs (logits, caches) are alive together."""
     total = Terms()
     for role, layout in roles:
+        if phase == "training" and parked(role, workload):
+            continue
         total = total + resident(role, layout, workload)
     running = [(r, lay) for r, lay in roles if phase in ROLE_PHASES[r.name]]
     if not running:

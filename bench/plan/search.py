@@ -30,6 +30,8 @@ from bench.plan.cluster import (
     Role,
     Workload,
     experience_keep,
+    host_bytes,
+    parked,
     phase_terms,
     resident,
 )
@@ -116,7 +118,10 @@ class Plan:
 
 def make_roles(arch: Arch, workload: Workload, critic_arch: Arch | None = None) -> dict[str, Role]:
     critic = critic_arch or arch
-    return {name: Role(name, critic if name in ("critic", "reward") else arch, workload.lora) for name in ROLES}
+    critic_lora = workload.lora if workload.critic_lora is None else workload.critic_lora
+    rank = {"actor": workload.lora, "critic": critic_lora}
+    return {name: Role(name, critic if name in ("critic", "reward") else arch, rank.get(name, 0),
+                       workload.lora_trains) for name in ROLES}
 
 
 def evaluate(placement: str, roles: dict[str, Role], layouts: dict[str, Layout], groups: tuple[tuple[str, ...], ...],
@@ -125,7 +130,7 @@ def evaluate(placement: str, roles: dict[str, Role], layouts: dict[str, Layout],
     for names in groups:
         pairs = [(roles[n], layouts[n]) for n in names]
         phases = {p: phase_terms(pairs, p, workload) for p in PHASES if any(p in ROLE_PHASES[n] for n in names)}
-        host = sum(resident(r, lay, workload).host for r, lay in pairs)
+        host = sum(host_bytes(r, lay, workload) for r, lay in pairs)
         results.append(GroupResult(names, layouts[names[0]].gpus, phases, host))
     seconds = {p: sum(phase_seconds(roles[n], layouts[n], workload, cluster, p) for n in layouts) for p in PHASES}
     return Plan(placement, dict(layouts), dict(roles), results, seconds, cluster.limit_bytes,
@@ -183,7 +188,7 @@ def _option(role: Role, layout: Layout, workload: Workload, cluster: Cluster) ->
     keep = experience_keep(role, layout, workload).device if "inference" in ROLE_PHASES[role.name] else 0.0
     seconds = sum(phase_seconds(role, layout, workload, cluster, p) for p in PHASES)
     held = resident(role, layout, workload)
-    return Option(layout, held.device, working, keep, seconds, held.host)
+    return Option(layout, held.device, working, keep, seconds, host_bytes(role, layout, workload))
 
 
 def _vector(o: Option) -> tuple[float, ...]:
@@ -221,14 +226,16 @@ class SearchResult:
         return self.plans[0] if self.plans else None
 
 
-def _group_phase_bytes(options: tuple[Option, ...], names: tuple[str, ...]) -> float:
+def _group_phase_bytes(options: tuple[Option, ...], names: tuple[str, ...], roles: dict[str, Role],
+                       workload: Workload) -> float:
     """The worst phase of a group for one choice of options (what phase_terms adds, from the cached parts)."""
-    base = sum(o.resident for o in options)
     worst = 0.0
     for i, phase in enumerate(PHASES):
         running = [o.working[i] for o, n in zip(options, names, strict=True) if phase in ROLE_PHASES[n]]
         if not running:
             continue
+        base = sum(o.resident for o, n in zip(options, names, strict=True)
+                   if not (phase == "training" and parked(roles[n], workload)))
         kept = sum(o.keep for o, n in zip(options, names, strict=True)
                    if phase == "inference" and phase in ROLE_PHASES[n])
         worst = max(worst, base + kept + max(running))
@@ -253,7 +260,7 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
             best, lean = None, None
             for combo in itertools.product(*(fronts[n] for n in names)):
                 evaluated += 1
-                peak = _group_phase_bytes(combo, names)
+                peak = _group_phase_bytes(combo, names, roles, workload)
                 seconds = sum(o.seconds for o in combo)
                 host = sum(o.host for o in combo)
                 if lean is None or peak < lean[0]:
