@@ -179,10 +179,7 @@ def _frozen(model, blocks: str, frozen: bool):
 def test_llama_style_blocks_match_autograds_saved_tensors(family, frozen):
     """Autograd's saved tensors of one block of each Llama-style family, bf16, grouped-query attention (2 K/V
     heads for 4), a SwiGLU of 2h; frozen: the blocks' weights and norms."""
-    import transformers
-
-    from bench.run.families import family as family_of
-    from bench.run.models import family_config
+    from bench.run.models import CLASSES, family_config
     from bench.run.spec import ModelSpec
 
     batch, seq = 2, 128
@@ -192,7 +189,7 @@ def test_llama_style_blocks_match_autograds_saved_tensors(family, frozen):
         spec = ModelSpec(name="census", path=None, hidden=256, layers=layers, heads=4, vocab=512, positions=256,
                          dropout=0.0, lr={"sft": 1, "rm": 1, "actor": 1, "critic": 1}, arch=family, kv_heads=2,
                          intermediate=512)
-        return _frozen(getattr(transformers, family_of(family).backbone_class)(family_config(spec)), "layers", frozen)
+        return _frozen(CLASSES[family][2](family_config(spec)), "layers", frozen)
 
     measured = _one_block_saves(build, arch.vocab, batch, seq)
     predicted = layer_saved_bytes(arch, batch, seq, 2, linear_inputs=0 if frozen else None, trained_norms=not frozen)

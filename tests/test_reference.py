@@ -42,7 +42,7 @@ def test_sft_rm_ppo_pipeline_runs_on_each_layout(run_bench, zero, precision, lor
               "2": "layout: FSDP2 fully_shard(reshard_after_forward=False);", "3": "layout: FSDP2 fully_shard;"}
     assert any(note.startswith(layout[zero]) for note in ppo["notes"]), ppo["notes"]
     assert set(ppo["params"]) == {"actor", "critic", "ref", "reward"}
-    lora_layout = {"targets": ["qkv", "attn_out", "mlp_in", "mlp_out"], "other": [], "alpha": 32.0}  # peft's
+    lora_layout = {"targets": ["q", "k", "v", "o", "up", "down"], "other": [], "alpha": 32.0}  # peft's
     # 3 PPO steps of one rollout each: a micro-batch and an optimizer step per step and trained role
     counted = dict.fromkeys(("actor", "critic"), 3)
     assert ppo["engine_knobs"] == {"grad_clip": {"actor": 1.0, "critic": 1.0}, "reward_normalize": {"mode": "none"},

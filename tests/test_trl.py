@@ -211,7 +211,7 @@ def test_pipeline_at_zero2_bf16_with_lora_on_two_ranks(run_bench) -> None:
         result = record["stages"][stage]
         assert result["engine_knobs"]["grad_clip"][role] == 1.0  # DeepSpeed's, filled from max_grad_norm
         # peft's GPT-2 default target (c_attn) in every block, TRL's ModelConfig alpha
-        assert result["engine_knobs"]["lora"][role]["targets"] == ["qkv"]
+        assert result["engine_knobs"]["lora"][role]["targets"] == ["q", "k", "v"]
         assert result["engine_knobs"]["lora"][role]["alpha"] == 32.0
         assert "hf-trainer-deepspeed-empty-param-group-scheduler" in [d["id"] for d in result["upstream_defects"]]
         state = result["model_state"][role]

@@ -27,9 +27,6 @@ MEANINGS = ("q", "k", "v", "o", "gate", "up", "down")  # a block's linear maps, 
 class Family:
     name: str  # the value of model.arch
     model_type: str  # config.json's model_type of a checkpoint of this family
-    causal_lm_class: str  # transformers classes: the LM, and the backbone a value head sits on
-    backbone_class: str
-    config_class: str
     norm: str  # layernorm (weight and bias, fused kernel) | rmsnorm (weight; computed in fp32 by transformers)
     mlp: str  # gelu (up, down) | swiglu (gate, up, down)
     modules: dict[str, str]  # meaning -> the module's name inside a block
@@ -67,31 +64,26 @@ _LLAMA_MODULES = {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_a
 
 FAMILIES: dict[str, Family] = {
     "gpt2": Family(
-        name="gpt2", model_type="gpt2", causal_lm_class="GPT2LMHeadModel", backbone_class="GPT2Model",
-        config_class="GPT2Config", norm="layernorm", mlp="gelu",
+        name="gpt2", model_type="gpt2", norm="layernorm", mlp="gelu",
         modules={"q": "attn.c_attn", "k": "attn.c_attn", "v": "attn.c_attn", "o": "attn.c_proj", "up": "mlp.c_fc",
                  "down": "mlp.c_proj"},
         biased=frozenset({"q", "k", "v", "o", "up", "down"}), learned_positions=True, tied_default=True,
         blocks="h", final_norm="ln_f", residual_dropout=True, layer_class="GPT2Block"),
     "llama": Family(
-        name="llama", model_type="llama", causal_lm_class="LlamaForCausalLM", backbone_class="LlamaModel",
-        config_class="LlamaConfig", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
+        name="llama", model_type="llama", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
         biased=frozenset(), learned_positions=False, tied_default=False, blocks="layers", final_norm="norm",
         residual_dropout=False, layer_class="LlamaDecoderLayer"),
     "qwen2": Family(
-        name="qwen2", model_type="qwen2", causal_lm_class="Qwen2ForCausalLM", backbone_class="Qwen2Model",
-        config_class="Qwen2Config", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
+        name="qwen2", model_type="qwen2", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
         biased=frozenset({"q", "k", "v"}), learned_positions=False, tied_default=False, blocks="layers",
         final_norm="norm", residual_dropout=False, layer_class="Qwen2DecoderLayer",
         extra={"sliding_window": None}),  # Qwen2Config keeps a window of 4096 even with use_sliding_window off
     "mistral": Family(
-        name="mistral", model_type="mistral", causal_lm_class="MistralForCausalLM", backbone_class="MistralModel",
-        config_class="MistralConfig", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
+        name="mistral", model_type="mistral", norm="rmsnorm", mlp="swiglu", modules=dict(_LLAMA_MODULES),
         biased=frozenset(), learned_positions=False, tied_default=False, blocks="layers", final_norm="norm",
         residual_dropout=False, layer_class="MistralDecoderLayer", extra={"sliding_window": None}),
     "glm": Family(
-        name="glm", model_type="glm", causal_lm_class="GlmForCausalLM", backbone_class="GlmModel",
-        config_class="GlmConfig", norm="rmsnorm", mlp="swiglu",
+        name="glm", model_type="glm", norm="rmsnorm", mlp="swiglu",
         modules={**_LLAMA_MODULES, "gate": "mlp.gate_up_proj", "up": "mlp.gate_up_proj"},
         biased=frozenset({"q", "k", "v"}), learned_positions=False, tied_default=False, blocks="layers",
         final_norm="norm", residual_dropout=False, layer_class="GlmDecoderLayer"),

@@ -14,14 +14,38 @@ import time
 from collections.abc import Callable
 
 import torch
-import transformers
-from transformers import AutoModel, AutoModelForCausalLM, GPT2Config, PretrainedConfig
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    GlmConfig,
+    GlmForCausalLM,
+    GlmModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    GPT2Model,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    MistralConfig,
+    MistralForCausalLM,
+    MistralModel,
+    PretrainedConfig,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen2Model,
+)
 
 from bench.measure.params import ParamCounts
 from bench.run.families import MODEL_TYPES, Family, family
 from bench.run.spec import ModelSpec
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # precision -> dtype
+# Each family's (config, causal LM, backbone) classes, imported here: transformers imports a model's module on
+# first use, and a first use inside DeepSpeed's zero.Init (which patches tensor construction) fails to import it
+CLASSES: dict[str, tuple[type, type, type]] = {
+    "gpt2": (GPT2Config, GPT2LMHeadModel, GPT2Model), "llama": (LlamaConfig, LlamaForCausalLM, LlamaModel),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, Qwen2Model), "mistral": (MistralConfig, MistralForCausalLM, MistralModel),
+    "glm": (GlmConfig, GlmForCausalLM, GlmModel)}
 
 
 def gpt2_config(model: ModelSpec) -> GPT2Config:
@@ -48,7 +72,7 @@ def family_config(model: ModelSpec) -> PretrainedConfig:
     settings that set no memory or FLOPs: transformers' defaults)."""
     if model.arch == "gpt2":
         return gpt2_config(model)
-    config_class = getattr(transformers, model.family.config_class)
+    config_class = CLASSES[model.arch][0]
     return config_class(
         hidden_size=model.hidden,
         intermediate_size=model.intermediate,
@@ -106,7 +130,7 @@ def build_causal_lm(model: ModelSpec) -> torch.nn.Module:
     picks a static loss scale of 1 for fp16)."""
     if model.path:
         return AutoModelForCausalLM.from_pretrained(model.path, local_files_only=True, torch_dtype=torch.float32)
-    return getattr(transformers, model.family.causal_lm_class)(family_config(model))
+    return CLASSES[model.arch][1](family_config(model))
 
 
 @_timed
@@ -115,7 +139,7 @@ def build_backbone(model: ModelSpec) -> torch.nn.Module:
     or the local checkpoint at model.path."""
     if model.path:
         return AutoModel.from_pretrained(model.path, local_files_only=True)
-    return getattr(transformers, model.family.backbone_class)(family_config(model))
+    return CLASSES[model.arch][2](family_config(model))
 
 
 def count_params(module: torch.nn.Module) -> ParamCounts:
@@ -142,7 +166,7 @@ def _full_numel(param: torch.nn.Parameter) -> int:
 def meta_param_count(model: ModelSpec) -> ParamCounts:
     """Parameter counts of a model without allocating it (works for GLM-10B on a laptop)."""
     with torch.device("meta"):
-        module = getattr(transformers, model.family.causal_lm_class)(family_config(model))
+        module = CLASSES[model.arch][1](family_config(model))
     return count_params(module)
 
 
@@ -156,7 +180,7 @@ def set_dropout(module: torch.nn.Module, p: float) -> None:
 def backbone_prefix(model: ModelSpec) -> str:
     """Where a causal LM of `model`'s family keeps its backbone, as its state dict names it (GPT-2's transformer,
     Llama's model)."""
-    return getattr(transformers, model.family.causal_lm_class).base_model_prefix
+    return CLASSES[model.arch][1].base_model_prefix
 
 
 def family_of(model: torch.nn.Module) -> Family:
