@@ -18,8 +18,8 @@ from bench.run.spec import ModelSpec, spec_from_config
 
 PRESETS = sorted(f[:-5] for f in os.listdir(CONF_DIR / "model") if f.endswith(".yaml") and f != "checkpoint.yaml")
 # published totals of the shapes the GPU presets copy (model cards: Llama-3-8B 8.03 B, Qwen2.5-7B 7.61 B "7.62 B"
-# with its untied head, GLM-4-9B 9.4 B)
-PUBLISHED_B = {"llama3-8b": 8.03, "qwen2.5-7b": 7.62, "glm4-9b": 9.40}
+# with its untied head, GLM-4-9B 9.4 B, Llama-2-7B 6.74 B)
+PUBLISHED_B = {"llama3-8b": 8.03, "qwen2.5-7b": 7.62, "glm4-9b": 9.40, "llama2-7b": 6.74}
 
 
 def _model(preset: str) -> ModelSpec:
