@@ -165,7 +165,7 @@ def _checkpoint_dir(tmp_path: Path, config: str | None) -> str:
         (["-m", "framework=dschat,foo"], ["framework='foo' is not allowed"]),
         (["stage=train"], ["stage='train' is not allowed", "pipeline, ppo, rm, sft"]),
         (["model=glm-99b"], ["model='glm-99b' is not allowed", "glm-10b, glm-2b, glm-base, glm-large, glm4-9b, "
-                                                               "llama-base, llama2-7b, llama3-8b, qwen2.5-7b, tiny, tiny-glm4"]),
+                             "llama-base, llama2-7b, llama3-8b, qwen2.5-7b, tiny, tiny-glm4"]),
         (["zero=4"], ["zero=4 is not allowed", "0, 1, 2, 3"]),
         (["precision=int8"], ["precision='int8'", "fp32, bf16, fp16"]),
         (["batch=two"], ["batch='two' must be an integer"]),
