@@ -13,7 +13,7 @@ import yaml
 
 from bench.plan import claims_arithmetic as arithmetic
 from bench.plan import plan_file
-from bench.plan.cluster import Cluster, Layout, Role, Workload, phase_terms, resident, training
+from bench.plan.cluster import GPUS, Cluster, Layout, Role, Workload, phase_terms, resident, training
 from bench.plan.physics import Arch
 from bench.plan.search import GIB, plan_with_variants, search
 
@@ -70,8 +70,8 @@ def test_colocated_phases_add_residents_and_take_the_largest_working_set():
 
 
 def test_glm10b_on_8x8x40_has_a_plan_and_explains_rejections():
-    result = search(GLM_10B, Workload(), Cluster(nodes=8, gpus_per_node=8, gpu_mem_gb=40))
-    assert result.plans and all(p.peak <= 0.9 * 40e9 for p in result.plans)
+    result = search(GLM_10B, Workload(), Cluster(nodes=8, gpus_per_node=8, gpu="A100-40GB"))
+    assert result.plans and all(p.peak <= 0.9 * 39.50 * 2**30 for p in result.plans)
     best = result.best
     assert sum(lay.gpus for name, lay in best.layouts.items() if name == "actor") <= 64
     assert result.rejected, "the uniform layouts a team tries first must be shown with why they fail"
@@ -80,16 +80,28 @@ def test_glm10b_on_8x8x40_has_a_plan_and_explains_rejections():
 
 
 def test_glm10b_on_1x8x16_needs_lora_or_offload():
-    results = plan_with_variants(GLM_10B, Workload(), Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=16))
+    results = plan_with_variants(GLM_10B, Workload(precision="fp16"), Cluster(nodes=1, gpus_per_node=8,
+                                                                              gpu="V100-16GB"))
     assert not results[0].plans, "full fine-tuning of four GLM-10B roles cannot fit 8 x 16 GB"
     fitting = {r.variant: r.best for r in results[1:] if r.plans}
     assert any("LoRA" in v for v in fitting) and any("offload" in v for v in fitting)
     for plan in fitting.values():
-        assert plan.peak <= 0.9 * 16e9
+        assert plan.peak <= 0.9 * 15.77 * 2**30
+
+
+def test_the_limit_is_the_safety_share_of_torchs_total_memory():
+    # A100-40GB: torch reports 39.50 GiB (the table's figure, from a public out-of-memory message), 90 % of it
+    assert Cluster(nodes=1, gpus_per_node=8).limit_bytes == pytest.approx(0.9 * 39.50 * 2**30)
+    assert Cluster(nodes=1, gpus_per_node=8, gpu="H200-141GB").limit_bytes == pytest.approx(0.9 * 139.80 * 2**30)
+    # a team's own reading of total_memory wins over the table, and the safety share applies to it
+    own = Cluster(nodes=1, gpus_per_node=8, gpu="H100-80GB", gpu_memory_gib=79.19, safety=0.8)
+    assert own.limit_bytes == pytest.approx(0.8 * 79.19 * 2**30)
+    for name, gpu in GPUS.items():  # the nominal size counts GiB of HBM; the driver keeps up to ~8 % of it
+        assert 0.9 * gpu.memory_gb < gpu.total_memory_gib < gpu.memory_gb, name
 
 
 def test_dp_is_gpus_over_tp_times_pp():
-    result = search(GLM_10B, Workload(), Cluster(nodes=2, gpus_per_node=8, gpu_mem_gb=80, gpu="A100-80GB"))
+    result = search(GLM_10B, Workload(), Cluster(nodes=2, gpus_per_node=8, gpu="A100-80GB"))
     for plan in result.plans:
         for group in plan.groups:
             for name in group.roles:
@@ -101,7 +113,7 @@ def test_dp_is_gpus_over_tp_times_pp():
 @pytest.mark.slow
 def test_planning_1024_gpus_takes_under_a_second():
     start = time.perf_counter()
-    plan_with_variants(GLM_10B, Workload(global_batch=1024), Cluster(nodes=128, gpus_per_node=8, gpu_mem_gb=80,
+    plan_with_variants(GLM_10B, Workload(global_batch=1024), Cluster(nodes=128, gpus_per_node=8,
                                                                       gpu="A100-80GB"))
     assert time.perf_counter() - start < 1.0
 
@@ -129,8 +141,9 @@ def _plan(tmp_path, **changes) -> str:
     ({"actor": {"tp": "8", "dp": 1}}, "must be an integer"),
     ({"actor": {"tp": 1, "dp": 8, "offload": True, "zero": 0}}, "needs a trained role at zero >= 1"),
     ({"actor": {"dp": 8, "ram": 1}}, "unknown keys"),
-    ({"cluster": {"nodes": 0, "gpus_per_node": 8, "gpu_mem_gb": 40}}, "cluster.nodes=0"),
-    ({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_mem_gb": 40, "gpu": "Z80"}}, "is not known"),
+    ({"cluster": {"nodes": 0, "gpus_per_node": 8}}, "cluster.nodes=0"),
+    ({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu": "Z80"}}, "is not known"),
+    ({"cluster": {"nodes": 1, "gpus_per_node": 8, "gpu_mem_gb": 40}}, "cluster.gpu_memory_gib"),
     ({"model": "glm-99b"}, "is not a model in conf/model"),
     ({"judge": {"dp": 8}}, "unknown keys \\['judge'\\]"),
     ({"execution_plan": {"actor": {"dp": 8}}}, "missing"),
@@ -169,7 +182,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.engine
 def test_cli_plans_writes_yaml_and_check_reads_it_back(tmp_path):
     out = tmp_path / "plan.yaml"
-    done = _cli("model=glm-10b", "cluster.nodes=8", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=40", f"out={out}")
+    done = _cli("model=glm-10b", "cluster.nodes=8", "cluster.gpus_per_node=8", "cluster.gpu=A100-40GB", f"out={out}")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "placement(s) fit" in done.stdout and "rejected" in done.stdout
     written = yaml.safe_load(out.read_text())
@@ -189,7 +202,8 @@ def test_cli_check_says_what_runs_out_and_what_fixes_it():
 
 @pytest.mark.engine
 def test_cli_small_cluster_proposes_variants():
-    done = _cli("cluster.nodes=1", "cluster.gpus_per_node=8", "cluster.gpu_mem_gb=16", "out=/dev/null")
+    done = _cli("cluster.nodes=1", "cluster.gpus_per_node=8", "cluster.gpu=V100-16GB", "workload.precision=fp16",
+                "out=/dev/null")
     assert done.returncode == 0
     assert "No plan fits" in done.stdout and "LoRA" in done.stdout and "offload" in done.stdout
 
@@ -218,7 +232,7 @@ def test_cli_refuses_bad_input():
     assert _cli("--check").returncode == 2
     assert _cli("cluster.nodes=-1").returncode == 2
     assert _cli("--frobnicate").returncode == 2
-    done = _cli("cluster.gpu=V100-32GB", "cluster.gpu_mem_gb=32")
+    done = _cli("cluster.gpu=V100-32GB")
     assert done.returncode == 2 and "bf16" in done.stdout
 
 
@@ -266,10 +280,34 @@ def test_hybrid_engine_generation_gathers_the_weights_into_its_own_layout():
     plain = generation(actor, Layout(dp=8, zero=3), w)
     assert plain.buffers == pytest.approx(2 * 2 * GLM_10B.largest_layer_params)  # a layer and its prefetch
     assert plain.cache == pytest.approx(kv) and resident(actor, Layout(dp=8, zero=3), w).cache == 0
+    # a training layout that already holds the generation layout's shard whole gathers nothing: ZeRO-2 at the
+    # generation tp (DS-Chat's single-GPU scripts) decodes on the trained weights; ZeRO-2 at tp 1 into tp 4
+    # slices them into a quarter of the model
+    assert generation(actor, Layout(dp=8, zero=2, generation_tp=1), w).buffers == 0
+    assert generation(actor, Layout(dp=8, zero=2, generation_tp=4), w).buffers == pytest.approx(2 * PSI / 4)
+
+
+def test_experience_caches_kept_as_each_framework_keeps_them():
+    from bench.plan.cluster import experience_keep
+
+    # one 1,024-token sequence of GLM-10B: K and V of 48 layers x 4096 x 2 bytes x 1,024 = 805,306,368 bytes
+    kv = 2 * 48 * 4096 * 2 * 1024
+    actor, reference = Role("actor", GLM_10B), Role("reference", GLM_10B)
+    assert experience_keep(reference, Layout(dp=8), Workload()).cache == kv  # DS-Chat keeps the whole output
+    assert experience_keep(actor, Layout(dp=8), Workload()).cache == kv
+    # DS-Chat runs these forwards after self.train(): a recomputing actor returns no cache (transformers drops
+    # it under gradient checkpointing in train mode); the reference, in eval mode, still does
+    assert experience_keep(actor, Layout(dp=8, recompute=True), Workload()).cache == 0
+    assert experience_keep(reference, Layout(dp=8, recompute=True), Workload()).cache == kv
+    # ColossalChat takes only the logits of each forward
+    coati = Workload(keep_experience_caches=False)
+    assert experience_keep(reference, Layout(dp=8), coati).cache == 0 and experience_keep(actor, Layout(dp=8),
+                                                                                          coati).cache == 0
+    assert experience_keep(actor, Layout(dp=8), coati).logits == 1024 * 50_304 * 2
 
 
 def test_plan_files_round_trip(tmp_path):
-    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=80, gpu="A100-80GB")
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu="A100-80GB")
     layouts = {"actor": Layout(2, 1, 4, 3, False, True, 8), "critic": Layout(2, 1, 4, 3),
                "reference": Layout(8, 1, 1), "reward": Layout(8, 1, 1)}
     groups = (("actor", "critic", "reference", "reward"),)
@@ -326,11 +364,11 @@ def test_grouped_query_attention_and_zero_offload_on_one_gpu():
     assert experience_keep(Role("actor", llama), Layout(dp=8), Workload()).cache == 2 * 32 * 1024 * 2 * 1024
     # tp must divide the K/V heads too: glm4-9b has 2, so tp 4 and 8 are never searched
     glm4 = plan_file.arch_of("glm4-9b")[1]
-    cluster = Cluster(nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+    cluster = Cluster(nodes=1, gpus_per_node=8, gpu="A100-80GB")
     tps = {lay.tp for lay in layouts_for(Role("actor", glm4), 8, Workload(), cluster, offload=False)}
     assert tps == {1, 2}
     # ZeRO-Offload on one GPU: a ZeRO stage at dp = 1 is searched when it offloads
-    one = Cluster(nodes=1, gpus_per_node=1, gpu_mem_gb=80)
+    one = Cluster(nodes=1, gpus_per_node=1, gpu="A100-80GB")
     found = set(layouts_for(Role("actor", llama), 1, Workload(), one, offload=True))
     assert Layout(dp=1, zero=2, offload=True) in found and Layout(dp=1, zero=2) not in found
 
@@ -341,8 +379,9 @@ def test_cli_plans_an_overridden_preset_and_refuses_hostile_sizes():
     assert done.returncode in (0, 1), done.stdout + done.stderr
     assert "glm-10b (model.layers=24)" in done.stdout  # planned as changed, named by the change
     for bad, words in (("model.heads=7", "heads=7 must divide hidden=4096"),
-                       ("cluster.gpu_mem_gb=nan", "cluster.gpu_mem_gb=nan must be a positive finite number"),
+                       ("cluster.gpu_memory_gib=nan", "cluster.gpu_memory_gib=nan must be a positive finite number"),
                        ("cluster.host_mem_gb=inf", "cluster.host_mem_gb=inf must be a positive finite number"),
-                       ("cluster.gpu_mem_gb=-40", "cluster.gpu_mem_gb=-40 must be a positive finite number")):
+                       ("cluster.gpu_memory_gib=-40", "cluster.gpu_memory_gib=-40 must be a positive finite number"),
+                       ("cluster.gpu=Z80", "cluster.gpu='Z80' is not known")):
         done = _cli("model=glm-10b", bad)
         assert done.returncode == 2 and words in done.stdout + done.stderr, (bad, done.stdout + done.stderr)

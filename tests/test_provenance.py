@@ -8,7 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from bench.measure.environment import LIBRARIES, environment, git_commit, git_state, host
+from bench.measure.environment import LIBRARIES, MATRIX_FLAGS, environment, git_commit, git_state, host
+from bench.run.worker import emulated_fp16
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -42,7 +43,20 @@ def test_the_host_and_every_library_a_run_may_import_are_recorded():
     assert found["cores"] == os.cpu_count()
     assert abs(found["memory_bytes"] - mem_total) < 0.02 * mem_total
     assert found["type"].startswith(found["cpu"]) and f"x {found['cores']}," in found["type"]
+    # the native matrix instructions, read a second way (lscpu's Flags line), are in the record and the host type
+    listed = next(line for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
+                  .stdout.splitlines() if line.startswith("Flags:")).split()[1:]
+    assert found["matrix_isa"] == [f for f in MATRIX_FLAGS if f in listed]
+    assert found["type"].endswith("+".join(found["matrix_isa"]) or "no native 16-bit matrix ISA")
     env = environment("cpu", 1)
     assert {"trl", "datasets", "peft", "bitsandbytes", "torchao", "deepspeed", "colossalai"} <= set(LIBRARIES)
     assert env["libraries"]["trl"] == "0.19.1" and env["libraries"]["deepspeed"] == "0.19.8"
     assert env["host"] == found and env["git"]["commit"] == env["git_commit"].removesuffix("-dirty")
+
+
+def test_an_fp16_run_on_a_cpu_without_native_fp16_says_its_times_are_an_emulation():
+    listed = next(line for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
+                  .stdout.splitlines() if line.startswith("Flags:")).split()[1:]
+    native = "avx512_fp16" in listed or "amx_fp16" in listed
+    assert (emulated_fp16("fp16", "cpu") is None) == native
+    assert emulated_fp16("bf16", "cpu") is None and emulated_fp16("fp16", "cuda") is None

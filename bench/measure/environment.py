@@ -56,22 +56,38 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _hypervisor() -> bool:
-    """The CPU reports that it runs under a hypervisor (a virtual machine)."""
+def _flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
-            return any(line.startswith("flags") and " hypervisor" in line for line in f)
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
     except OSError:
-        return False
+        pass
+    return set()
+
+
+# Native 16-bit and int8 matrix instructions: with neither avx512_fp16 nor amx_fp16, torch's fp16 matrix products
+# on the CPU take a slow path (75x fp32's time at glm-base's shapes on an AVX512 Xeon without them), so two hosts
+# of one model name but different flags do not time fp16 (or bf16, int8) alike
+MATRIX_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8")
+
+
+def matrix_isa() -> list[str]:
+    """The native low-precision matrix instructions this CPU reports, of MATRIX_FLAGS."""
+    flags = _flags()
+    return [flag for flag in MATRIX_FLAGS if flag in flags]
 
 
 def host() -> dict[str, Any]:
-    """What tells one host type from another: CPU model, cores, memory, virtualisation, kernel; `type` joins the
-    first three, the key a report groups hosts by."""
+    """What tells one host type from another: CPU model, cores, memory, virtualisation, kernel, native matrix
+    instructions; `type` joins CPU, cores, memory and those instructions, the key a report groups hosts by."""
     cpu, cores = _cpu_model(), os.cpu_count()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"cpu": cpu, "cores": cores, "memory_bytes": memory, "virtual_machine": _hypervisor(),
-            "kernel": platform.release(), "type": f"{cpu} x {cores}, {memory / 2**30:.0f} GiB"}
+    isa = matrix_isa()
+    return {"cpu": cpu, "cores": cores, "memory_bytes": memory, "virtual_machine": "hypervisor" in _flags(),
+            "kernel": platform.release(), "matrix_isa": isa,
+            "type": f"{cpu} x {cores}, {memory / 2**30:.0f} GiB, {'+'.join(isa) or 'no native 16-bit matrix ISA'}"}
 
 
 def environment(device_type: str, world_size: int) -> dict[str, Any]:

@@ -49,35 +49,6 @@ def compose(overrides: list[str]) -> dict[str, Any]:
         return to_plain(hydra_compose(config_name="planner", overrides=overrides))
 
 
-def _context(config: dict[str, Any]) -> tuple[str, Any, Any, Cluster, Workload]:
-    """(model name, arch, critic arch, cluster, workload) from a composed config or a plan file."""
-    model = _preset_or_mapping(config["model"])
-    name, arch = plan_file.arch_of(model)
-    critic = config.get("critic_model")
-    critic_arch = plan_file.arch_of(critic, "critic_model")[1] if critic else arch
-    cluster = plan_file.cluster_of(config.get("cluster"))
-    workload = plan_file.workload_of(config.get("workload"))
-    return name, arch, critic_arch, cluster, workload
-
-
-def _preset_or_mapping(model: Any) -> Any:
-    """A composed model that is its preset unchanged becomes the preset's name (plan files then say
-    `model: glm-10b`); one with overridden fields stays a mapping named after what changed, so an override
-    (`model=glm-10b model.heads=7`) is planned, never dropped."""
-    if not isinstance(model, dict) or "name" not in model:
-        return model
-    path = os.path.join(plan_file.CONF_MODEL_DIR, f"{model['name']}.yaml")
-    if not os.path.exists(path):
-        return model
-    with open(path) as f:
-        preset = yaml.safe_load(f)
-    keys = (*plan_file.MODEL_KEYS, *plan_file.ARCH_KEYS, "path")
-    changed = [f"model.{k}={model.get(k)}" for k in keys if model.get(k) != preset.get(k)]
-    if not changed:
-        return model["name"]
-    return {**model, "name": f"{model['name']} ({', '.join(changed)})"}
-
-
 def dtype_problem(cluster: Cluster, workload: Workload) -> str | None:
     if workload.precision == "bf16" and not cluster.spec.bf16:
         return (f"workload.precision=bf16 is not supported on {cluster.gpu} (no bf16 tensor cores); use fp16 "
@@ -172,13 +143,14 @@ def _print_result(console: Console, result: SearchResult, workload: Workload, to
 
 
 def plan_main(config: dict[str, Any], console: Console) -> int:
-    name, arch, critic_arch, cluster, workload = _context(config)
+    name, arch, critic_arch, cluster, workload = plan_file.context(config)
     problem = dtype_problem(cluster, workload)
     if problem:
         console.print(f"[red]{problem}[/red]")
         return 2
     console.print(f"{name}: {arch.total_params / 1e9:.2f} B parameters per role; {cluster.nodes} node(s) x "
-                  f"{cluster.gpus_per_node} {cluster.gpu} at {cluster.gpu_mem_gb:g} GB, limit "
+                  f"{cluster.gpus_per_node} {cluster.gpu} of "
+                  f"{cluster.total_memory_bytes / GIB:.2f} GiB (torch's total_memory), limit "
                   f"{cluster.limit_bytes / GIB:.1f} GiB/GPU; batch {workload.micro_batch} x "
                   f"{workload.prompt_len}+{workload.answer_len} tokens, {workload.precision}")
     start = time.perf_counter()
@@ -204,7 +176,7 @@ def plan_main(config: dict[str, Any], console: Console) -> int:
     if calculators:
         console.print(calculators)
     out = config.get("out") or os.path.join("results", "plans", f"{name}-{cluster.nodes}x{cluster.gpus_per_node}x"
-                                                                 f"{cluster.gpu_mem_gb:g}gb.yaml")
+                                                                 f"{cluster.gpu.lower()}.yaml")
     groups = PLACEMENTS[best.placement]
     doc = plan_file.document(name, config.get("critic_model"), cluster, w, best.placement, best.layouts, groups,
                              _predicted(best))
@@ -244,7 +216,7 @@ def check_main(path: str, overrides: dict[str, Any], console: Console) -> int:
     data = plan_file.read(path)
     for key, value in overrides.items():
         data[key] = {**(data.get(key) or {}), **value} if isinstance(value, dict) else value
-    name, arch, critic_arch, cluster, workload = _context(data)
+    name, arch, critic_arch, cluster, workload = plan_file.context(data)
     problem = dtype_problem(cluster, workload)
     if problem:
         console.print(f"[red]{problem}[/red]")
@@ -314,7 +286,6 @@ def _split_overrides(args: list[str]) -> tuple[str | None, list[str]]:
 
 def _as_mapping(overrides: list[str]) -> dict[str, Any]:
     """KEY=VALUE overrides as a nested mapping (for --check, where the plan file is the base)."""
-    import yaml
 
     out: dict[str, Any] = {}
     for item in overrides:

@@ -26,7 +26,8 @@ from bench.plan.physics import (
     logits_bytes,
 )
 
-GB = 1e9  # vendors' gigabyte: an "A100 40GB" has 40e9 bytes and change
+GB = 1e9  # vendors' gigabyte, for bandwidths and host memory
+GIB = 2**30  # torch reports device memory in bytes; its messages quote GiB
 PHASES = ("generation", "inference", "training")
 ROLES = ("actor", "critic", "reference", "reward")
 ROLE_PHASES = {"actor": PHASES, "critic": ("inference", "training"), "reference": ("inference",),
@@ -41,17 +42,33 @@ LORA_TRAINS = ("factors", "unwrapped")
 @dataclass(frozen=True)
 class GPU:
     name: str
-    memory_gb: float
+    memory_gb: float  # the vendor's nominal size (the name's "40GB")
+    total_memory_gib: float  # what torch.cuda.get_device_properties().total_memory reports, GiB: the driver keeps
+    # some of the nominal size, and how much moves by a few hundredths with driver, CUDA and ECC settings
+    memory_source: str  # where total_memory_gib was read (a public CUDA out-of-memory report quoting it)
     bf16: bool
     tflops_16bit: float  # dense tensor-core peak, fp16/bf16
     hbm_gbps: float
 
+    @property
+    def total_memory_bytes(self) -> float:
+        return self.total_memory_gib * GIB
 
+
+# total_memory as torch reports it, from public out-of-memory messages ("GPU 0 has a total capacity of X GiB");
+# where reports differ, the smallest seen, so a plan that fits the table fits the card under any driver seen.
 GPUS = {g.name: g for g in (
-    GPU("V100-16GB", 16, False, 125, 900), GPU("V100-32GB", 32, False, 125, 900),
-    GPU("T4-16GB", 16, False, 65, 320), GPU("A10-24GB", 24, True, 125, 600),
-    GPU("A100-40GB", 40, True, 312, 1555), GPU("A100-80GB", 80, True, 312, 2039),
-    GPU("H100-80GB", 80, True, 989, 3350), GPU("H200-141GB", 141, True, 989, 4800),
+    GPU("V100-16GB", 16, 15.77, "meta-llama/llama#918 (8 x Tesla V100 16GB)", False, 125, 900),
+    GPU("V100-32GB", 32, 31.74, "liucongg/ChatGLM-Finetuning#73 (V100 32GB)", False, 125, 900),
+    GPU("T4-16GB", 16, 14.75, "hpcaitech/Open-Sora#697 (Colab T4)", False, 65, 320),
+    GPU("A10-24GB", 24, 22.06, "A10G out-of-memory reports (22.06 GiB); huggingface/local-gemma#25: ~22 GB", True,
+        125, 600),
+    GPU("A100-40GB", 40, 39.50, "TianheWu/CoSeR#10 (one A100 40GB; 39.59 elsewhere)", True, 312, 1555),
+    GPU("A100-80GB", 80, 79.14, "lianqi1008/Control-GIC#6 (A100 80GB; 79.15-79.35 elsewhere)", True, 312, 2039),
+    GPU("A800-80GB", 80, 79.33, "hahnyuan/PB-LLM#3 (A800-80G)", True, 312, 2039),
+    GPU("H100-80GB", 80, 79.11, "vllm-project/vllm#27508 (H100; 79.19 elsewhere)", True, 989, 3350),
+    GPU("H800-80GB", 80, 79.11, "no H800 report found: the H100 SXM's 80 GB HBM3 figure", True, 989, 3350),
+    GPU("H200-141GB", 141, 139.80, "8 x H200 out-of-memory reports (139.80 GiB; 139.72-139.81)", True, 989, 4800),
 )}
 
 
@@ -59,8 +76,8 @@ GPUS = {g.name: g for g in (
 class Cluster:
     nodes: int
     gpus_per_node: int
-    gpu_mem_gb: float
-    gpu: str = "A100-40GB"  # name in GPUS: peak FLOP/s, HBM bandwidth, bf16 support
+    gpu: str = "A100-40GB"  # name in GPUS: memory as torch reports it, peak FLOP/s, HBM bandwidth, bf16 support
+    gpu_memory_gib: float | None = None  # your GPU's own total_memory / 2**30; None = the table's figure for gpu
     host_mem_gb: float = 1024.0  # per node
     intra_node_gbps: float = 150.0  # per-GPU bus bandwidth inside a node (NVLink), GB/s
     inter_node_gbps: float = 25.0  # per-GPU bandwidth across nodes (200 Gb/s InfiniBand), GB/s
@@ -73,8 +90,10 @@ class Cluster:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"cluster.{name}={value!r} must be an integer >= 1")
-        for name in ("gpu_mem_gb", "host_mem_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
+        for name in ("gpu_memory_gib", "host_mem_gb", "intra_node_gbps", "inter_node_gbps", "pcie_gbps"):
             value = getattr(self, name)
+            if name == "gpu_memory_gib" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
                     or value <= 0:
                 raise ValueError(f"cluster.{name}={value!r} must be a positive finite number")
@@ -88,8 +107,15 @@ class Cluster:
         return self.nodes * self.gpus_per_node
 
     @property
+    def total_memory_bytes(self) -> float:
+        """The device memory as torch reports it (total_memory): the figure a run's preflight also budgets."""
+        if self.gpu_memory_gib is not None:
+            return self.gpu_memory_gib * GIB
+        return self.spec.total_memory_bytes
+
+    @property
     def limit_bytes(self) -> float:
-        return self.safety * self.gpu_mem_gb * GB
+        return self.safety * self.total_memory_bytes
 
     @property
     def spec(self) -> GPU:
@@ -115,6 +141,8 @@ class Workload:
     offload_reference: bool = False  # DS-Chat's --offload_reference_model: the reference's weights on the host
     offload_inference_models: bool = False  # ColossalChat: reference and reward on the host outside experience
     parallel_output: bool = True  # ColossalChat's parallel_output=False: every tp rank keeps whole-vocabulary logits
+    keep_experience_caches: bool = True  # DS-Chat keeps each experience forward's whole output (its KV cache too)
+    # until the experience is assembled; ColossalChat keeps only the logits (false)
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
@@ -131,7 +159,7 @@ class Workload:
         if self.lora_trains not in LORA_TRAINS:
             raise ValueError(f"workload.lora_trains={self.lora_trains!r}; allowed: {', '.join(LORA_TRAINS)}")
         for name in ("flash_attention", "release_inference_cache", "offload_reference", "offload_inference_models",
-                     "parallel_output"):
+                     "parallel_output", "keep_experience_caches"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"workload.{name}={getattr(self, name)!r} must be true or false")
         if self.cache not in ("kv", "mems"):
@@ -319,13 +347,17 @@ def _block_width(arch: Arch) -> float:
 
 
 def experience_keep(role: Role, layout: Layout, workload: Workload) -> Terms:
-    """The actor's and the reference's outputs alive through the other forwards: logits and cache."""
+    """The actor's and the reference's outputs alive through the other forwards: logits, and where the
+    framework keeps the whole output (DS-Chat) the KV cache transformers returns with it; but not the actor's
+    when it recomputes: DS-Chat switches actor and critic to train mode before these forwards, and transformers
+    returns no cache from a model training with gradient checkpointing."""
     if role.name not in ("actor", "reference"):
         return Terms()
     arch, vb = role.arch, workload.value_bytes
     b, s = workload.micro_batch, workload.seq
+    kept = workload.keep_experience_caches and not (role.name == "actor" and layout.recompute)
     return Terms(logits=logits_bytes(arch, b, s, _logit_split(layout, workload), vb),
-                 cache=cache_bytes(arch, b, s, layout.tp, layout.pp, vb, workload.cache))
+                 cache=cache_bytes(arch, b, s, layout.tp, layout.pp, vb, workload.cache) if kept else 0.0)
 
 
 def _logit_split(layout: Layout, workload: Workload) -> int:
@@ -339,7 +371,9 @@ def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     prefill's working set and the last step's fp32 logits; with a generation layout of its own (the Hybrid
     Engine) also the weights gathered into that layout's shards, and the prompts all-gathered across the
     tensor-parallel group: each GPU decodes tp x micro-batch sequences on its share of the heads, so its
-    cache is a whole micro-batch's (the Hybrid Engine's workspace, which `resident` keeps unless released)."""
+    cache is a whole micro-batch's (the Hybrid Engine's workspace, which `resident` keeps unless released). A
+    training layout that already holds the generation layout's shard whole (ZeRO below 3, the same tp, no
+    pipeline) gathers nothing: the engine decodes on the trained weights in place."""
     arch, vb = role.arch, workload.value_bytes
     gen = layout.generation
     b, t = workload.micro_batch, gen.tp
@@ -352,7 +386,12 @@ def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     prefill = workload.prompt_len * sequences * _block_width(arch) / t * vb
     if not workload.flash_attention:
         prefill += 2 * sequences * arch.heads / t * workload.prompt_len ** 2 * vb
-    gathered = role.params * vb / t if layout.generation_tp else _gathered(role, layout, workload)
+    if not layout.generation_tp:
+        gathered = _gathered(role, layout, workload)
+    elif layout.zero == 3 or layout.tp != t or layout.pp > 1:  # the shards are gathered into the generation layout
+        gathered = role.params * vb / t
+    else:  # the training layout already holds the generation layout's whole shard: decoded in place
+        gathered = 0.0
     return Terms(cache=cache, activations=prefill, logits=sequences * arch.vocab / t * 4, buffers=gathered)
 
 

@@ -2,7 +2,7 @@
 
     model: glm-10b                 # a conf/model name, or {hidden, layers, heads, vocab, positions}
     critic_model: null             # the same for critic and reward; null = model
-    cluster: {nodes: 8, gpus_per_node: 8, gpu_mem_gb: 40}
+    cluster: {nodes: 8, gpus_per_node: 8, gpu: A100-40GB}
     workload: {micro_batch: 1, global_batch: 64, prompt_len: 512, answer_len: 512}
     execution_plan:
       actor:     {stages: [generation, inference, training], tp: 8, pp: 1, dp: 8, zero: 2, requires_grad: true}
@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from bench.plan.cluster import ROLE_PHASES, ROLES, Cluster, Layout, Workload
+from bench.plan.cluster import GPUS, ROLE_PHASES, ROLES, Cluster, Layout, Workload
 from bench.plan.physics import Arch
 
 MODEL_KEYS = ("hidden", "layers", "heads", "vocab", "positions")
@@ -95,7 +95,40 @@ def _dataclass(cls: type, values: Any, key: str) -> Any:
         raise PlanError(f"{key}: {err}") from None
 
 
+def context(config: dict[str, Any]) -> tuple[str, Any, Any, Cluster, Workload]:
+    """(model name, arch, critic arch, cluster, workload) from a composed config or a plan file."""
+    model = preset_or_mapping(config["model"])
+    name, arch = arch_of(model)
+    critic = config.get("critic_model")
+    critic_arch = arch_of(critic, "critic_model")[1] if critic else arch
+    cluster = cluster_of(config.get("cluster"))
+    workload = workload_of(config.get("workload"))
+    return name, arch, critic_arch, cluster, workload
+
+
+def preset_or_mapping(model: Any) -> Any:
+    """A composed model that is its preset unchanged becomes the preset's name (plan files then say
+    `model: glm-10b`); one with overridden fields stays a mapping named after what changed, so an override
+    (`model=glm-10b model.heads=7`) is planned, never dropped."""
+    if not isinstance(model, dict) or "name" not in model:
+        return model
+    path = os.path.join(CONF_MODEL_DIR, f"{model['name']}.yaml")
+    if not os.path.exists(path):
+        return model
+    with open(path) as f:
+        preset = yaml.safe_load(f)
+    keys = (*MODEL_KEYS, *ARCH_KEYS, "path")
+    changed = [f"model.{k}={model.get(k)}" for k in keys if model.get(k) != preset.get(k)]
+    if not changed:
+        return model["name"]
+    return {**model, "name": f"{model['name']} ({', '.join(changed)})"}
+
+
 def cluster_of(values: Any) -> Cluster:
+    if isinstance(values, dict) and "gpu_mem_gb" in values:
+        raise PlanError(f"cluster.gpu_mem_gb={values['gpu_mem_gb']!r} is no longer read: the limit is cluster.safety "
+                        "of the GPU's memory as torch reports it (total_memory); name the GPU (cluster.gpu, one of "
+                        f"{', '.join(GPUS)}) or give your own figure as cluster.gpu_memory_gib")
     return _dataclass(Cluster, values, "cluster")
 
 

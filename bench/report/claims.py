@@ -551,7 +551,7 @@ def _b5(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     from bench.plan.cluster import Cluster, Layout, Workload
     from bench.plan.search import evaluate, make_roles
 
-    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_mem_gb=40)
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu="A100-40GB")
     layouts = {"actor": Layout(8, 1, 4, 2), "reference": Layout(8, 1, 4), "reward": Layout(4, 1, 8),
                "critic": Layout(8, 1, 4, 2)}
     groups = (("actor", "reference", "critic"), ("reward",))

@@ -24,7 +24,7 @@ import torch
 from adapters import registry
 from adapters.base import RankContext
 from bench.measure import jit_ops
-from bench.measure.environment import environment
+from bench.measure.environment import environment, matrix_isa
 from bench.measure.phases import PhaseTracker
 from bench.results.record import write_json
 from bench.run.data import SyntheticData
@@ -105,6 +105,15 @@ def classify(err: BaseException) -> str:
     return "error"
 
 
+def emulated_fp16(precision: str, device_type: str) -> str | None:
+    """The note an fp16 run on a CPU without native fp16 matrix instructions carries: its times are torch's
+    slow fp16 path, not the framework's (memory and numerics are unaffected)."""
+    if precision != "fp16" or device_type != "cpu" or {"avx512_fp16", "amx_fp16"} & set(matrix_isa()):
+        return None
+    return ("fp16 on a CPU without avx512_fp16 or amx_fp16: torch's fp16 matrix products take a slow path here "
+            "(about 75x fp32's time at glm-base's shapes), so this run's times are not the framework's")
+
+
 def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
              watchdog: RankWatchdog | None = None) -> dict[str, Any]:
     """`watchdog`: told of each phase, JIT op load, the save and the close (its stall timer re-armed)."""
@@ -129,6 +138,9 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
         if feed is not None:
             observers.append(feed)
+        emulated = emulated_fp16(spec.precision, device.type)
+        if emulated and feed is not None:
+            feed.note(emulated)
         tracker.on_phase = _phase_listener(feed, watchdog)
         jit_ops.install(on_load=_jit_listener(feed, watchdog))
         # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
@@ -144,7 +156,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
             observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
         loop = StageLoop(adapter, spec, tracker, data, observers)
         result.update(loop.run(stage, init, os.path.join(stage_dir, "checkpoints")))
-        result["notes"] = adapter.notes()
+        result["notes"] = adapter.notes() + ([emulated] if emulated else [])
         result["upstream_defects"] = adapter.upstream_defects()
         result["computation_dtypes"] = adapter.computation_dtypes()
         result["quantized"] = adapter.quantized_roles()

@@ -1,0 +1,157 @@
+"""Published GPU facts and the planner's verdict on each: `python -m bench.plan.facts [--markdown]`.
+
+Each file of conf/facts/ is a plan file (model, critic_model, cluster, workload, execution_plan: the
+configuration the source ran, as its script runs it) plus a `fact:` block: the framework, the source and its
+address, the words quoted, and what was published (it fits or it failed; where given, the per-GPU figure in MiB
+and how it was measured). The planner evaluates the plan as written and its verdict is set beside the fact's.
+A fact the planner still disagrees with carries `disagreement:`, the term that differs and why; the tests hold
+every verdict to agree or to carry that reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import yaml
+
+from bench.plan import plan_file
+from bench.plan.cluster import GPUS
+from bench.plan.search import evaluate, make_roles
+
+FACTS_DIR = os.path.join(os.path.dirname(plan_file.CONF_MODEL_DIR), "facts")
+MIB = 2**20
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Fact:
+    name: str
+    framework: str
+    source: str
+    url: str
+    quote: str
+    fits: bool  # what was published: the configuration ran (True) or ran out of memory (False)
+    per_gpu_mib: float | None  # the published per-GPU figure, where one was given
+    measured_as: str | None  # how that figure was measured
+    disagreement: str | None  # where the planner disagrees: which term and why
+
+
+@dataclass(frozen=True)
+class Verdict:
+    fact: Fact
+    setting: str  # the configuration in the planner's words
+    fits: bool  # the planner's verdict
+    peak_bytes: float  # its per-GPU peak, the largest GPU group's largest phase
+    limit_bytes: float  # cluster.safety of the GPU's total_memory
+
+    @property
+    def agrees(self) -> bool:
+        return self.fits == self.fact.fits
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - published) / published, where a figure was published."""
+        if self.fact.per_gpu_mib is None:
+            return None
+        return self.peak_bytes / (self.fact.per_gpu_mib * MIB) - 1
+
+
+def read(path: str) -> tuple[Fact, dict[str, Any]]:
+    """The fact and the plan of one file; a file without a complete `fact:` block is refused by name."""
+    with open(path) as f:
+        data = yaml.safe_load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("fact"), dict):
+        raise plan_file.PlanError(f"{path}: a fact file needs a `fact:` mapping beside the plan")
+    fact, plan = data.pop("fact"), data
+    published = fact.get("published") or {}
+    missing = [k for k in ("framework", "source", "url", "quote") if not fact.get(k)]
+    if missing or not isinstance(published.get("fits"), bool):
+        raise plan_file.PlanError(f"{path}: fact lacks {', '.join(missing) or 'published.fits (true or false)'}")
+    name = os.path.splitext(os.path.basename(path))[0]
+    return Fact(name, fact["framework"], fact["source"], fact["url"], fact["quote"], published["fits"],
+                published.get("per_gpu_mib"), published.get("measured_as"), fact.get("disagreement")), plan
+
+
+def judge(path: str) -> Verdict:
+    fact, plan = read(path)
+    name, arch, critic_arch, cluster, workload = plan_file.context(plan)
+    layouts, groups = plan_file.layouts_of(plan["execution_plan"], arch, critic_arch, cluster)
+    result = evaluate("as published", make_roles(arch, workload, critic_arch), layouts, groups, workload, cluster)
+    critic = plan.get("critic_model")
+    critic_name = critic["name"] if isinstance(critic, dict) else critic
+    lora = f", LoRA {workload.lora}" + (f"/{workload.critic_lora}" if workload.critic_lora is not None else "") \
+        if workload.lora else ""
+    actor = layouts["actor"]
+    setting = (f"{name}" + (f" + {critic_name} critic" if critic_name else "") + f", {cluster.gpus} x {cluster.gpu}, "
+               f"{workload.precision}, batch {workload.micro_batch} x {workload.prompt_len}+{workload.answer_len}"
+               f"{lora}, actor {actor.notation}")
+    return Verdict(fact, setting, result.fits, result.peak, result.limit)
+
+
+def judge_all(directory: str = FACTS_DIR) -> list[Verdict]:
+    paths = sorted(glob.glob(os.path.join(directory, "*.yaml")))
+    if not paths:
+        raise plan_file.PlanError(f"no fact files in {directory}")
+    return [judge(p) for p in paths]
+
+
+def _published(v: Verdict) -> str:
+    text = "runs" if v.fact.fits else "fails (out of memory)"
+    return text + (f", {v.fact.per_gpu_mib * MIB / GIB:.1f} GiB" if v.fact.per_gpu_mib else "")
+
+
+def _planner(v: Verdict) -> str:
+    text = f"{'fits' if v.fits else 'does not fit'}: {v.peak_bytes / GIB:.1f} of {v.limit_bytes / GIB:.1f} GiB"
+    return text + (f" ({v.error:+.0%})" if v.error is not None else "")
+
+
+def markdown(verdicts: list[Verdict]) -> str:
+    """The table docs/published-facts.md shows (a test keeps the page equal to this)."""
+    lines = ["| fact | source | published | setting planned | planner, per GPU | agrees |",
+             "|---|---|---|---|---|---|"]
+    for v in verdicts:
+        agrees = "yes" if v.agrees else f"no: {v.fact.disagreement or 'undeclared'}"
+        lines.append(f"| `{v.fact.name}` | [{v.fact.source}]({v.fact.url}): \"{v.fact.quote}\" | {_published(v)} | "
+                     f"{v.setting} | {_planner(v)} | {agrees} |")
+    agreed = sum(v.agrees for v in verdicts)
+    lines.append("")
+    lines.append(f"{agreed} of {len(verdicts)} verdicts agree.")
+    return "\n".join(lines) + "\n"
+
+
+def gpu_markdown() -> str:
+    """The GPU table docs/published-facts.md shows: each card's memory as torch reports it, and where from."""
+    lines = ["| GPU | nominal | total_memory (torch), GiB | limit at 90 %, GiB | read from |", "|---|---|---|---|---|"]
+    for gpu in GPUS.values():
+        lines.append(f"| {gpu.name} | {gpu.memory_gb:g} GB | {gpu.total_memory_gib:.2f} | "
+                     f"{0.9 * gpu.total_memory_gib:.2f} | {gpu.memory_source} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.plan.facts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--markdown", action="store_true", help="print the table docs/published-facts.md shows")
+    parser.add_argument("--dir", default=FACTS_DIR, help="the fact files (default conf/facts)")
+    args = parser.parse_args(argv)
+    try:
+        verdicts = judge_all(args.dir)
+    except (plan_file.PlanError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.markdown:
+        print(markdown(verdicts), end="")
+    else:
+        for v in verdicts:
+            mark = "agrees" if v.agrees else "DISAGREES"
+            print(f"{v.fact.name}: published {_published(v)}; planner {_planner(v)} -> {mark}")
+    # exit 1 when a verdict disagrees without a declared reason, as `--check` exits 1 when a plan does not fit
+    return 0 if all(v.agrees or v.fact.disagreement for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""Published GPU facts (conf/facts/) against the planner: every verdict agrees or says why not, and the docs page
+shows the table the planner produces now."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.plan import facts, plan_file
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def verdicts() -> list[facts.Verdict]:
+    return facts.judge_all()
+
+
+def test_at_least_ten_sourced_facts_each_agreeing_or_saying_why_not(verdicts):
+    assert len(verdicts) >= 10
+    assert {v.fact.framework for v in verdicts} >= {"DS-Chat", "ColossalChat"}
+    assert any(not v.fact.fits for v in verdicts), "facts of runs that failed test the planner's 'does not fit'"
+    for v in verdicts:
+        assert v.fact.url.startswith("https://") and v.fact.quote and v.fact.source, v.fact.name
+        # a declared disagreement must still be one: a fix that makes it agree removes the declaration
+        assert v.agrees != bool(v.fact.disagreement), (v.fact.name, v.fits, v.peak_bytes / 2**30)
+
+
+def test_published_figures_are_compared_per_gpu_in_mib(verdicts):
+    # ColossalChat's PPO tp=8, bs=1: 18,485.19 MB as rank 0's max_memory_allocated / 2**20
+    v = next(v for v in verdicts if v.fact.name == "coati-ppo-llama2-7b-tp8-bs01")
+    assert v.fact.per_gpu_mib == 18485.19
+    assert v.error == pytest.approx(v.peak_bytes / (18485.19 * 2**20) - 1)
+    # the limit is 90 % of an H800's total_memory as torch reports it (the H100 SXM's 79.11 GiB)
+    assert v.limit_bytes == pytest.approx(0.9 * 79.11 * 2**30)
+
+
+def test_the_docs_page_shows_the_table_as_the_planner_gives_it_now(verdicts):
+    with open(os.path.join(ROOT, "docs", "published-facts.md")) as f:
+        page = f.read()
+    assert facts.markdown(verdicts) in page, "regenerate with: python -m bench.plan.facts --markdown"
+    assert facts.gpu_markdown() in page
+
+
+def test_a_file_without_its_fact_is_refused_by_name(tmp_path):
+    path = tmp_path / "bare.yaml"
+    path.write_text("model: llama2-7b\n")
+    with pytest.raises(plan_file.PlanError, match="bare.yaml: a fact file needs a `fact:` mapping"):
+        facts.read(str(path))
+    (tmp_path / "bare.yaml").write_text("fact: {framework: X, source: S, url: https://x, quote: q, published: {}}\n")
+    with pytest.raises(plan_file.PlanError, match="published.fits"):
+        facts.read(str(path))
+    assert facts.main(["--dir", str(tmp_path / "none")]) == 2
