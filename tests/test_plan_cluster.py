@@ -385,3 +385,41 @@ def test_cli_plans_an_overridden_preset_and_refuses_hostile_sizes():
                        ("cluster.gpu=Z80", "cluster.gpu='Z80' is not known")):
         done = _cli("model=glm-10b", bad)
         assert done.returncode == 2 and words in done.stdout + done.stderr, (bad, done.stdout + done.stderr)
+
+
+def test_trlx_hydra_layout_by_hand():
+    from bench.plan.cluster import inference, training
+    from bench.plan.search import make_roles
+
+    h, layers, vocab = 4096, 48, 50_304
+    layer = 12 * h * h + 13 * h  # a GPT-2-shaped block: QKV, output, MLP, their biases, two LayerNorms
+    roles = make_roles(GLM_10B, Workload(hydra_layers=2))
+    # the reference is trlx's branch: 2 blocks, the final LayerNorm (2h) and its own copy of the LM head
+    assert roles["reference"].params == 2 * layer + 2 * h + vocab * h
+    # the critic is the value head alone, Linear(h, 2h) + ReLU + Linear(2h, 1), on the actor's hidden states
+    assert roles["critic"].params == (h * 2 * h + 2 * h) + (2 * h + 1) and roles["critic"].dense_trainable == \
+        roles["critic"].params
+    # the actor trains all but the word embedding (its tied head) and the 46 bottom blocks: 2 blocks, the final
+    # norm and GPT-2's learned position table (trlx's freeze_bottom_causal_layers leaves it trainable)
+    assert roles["actor"].dense_trainable == 2 * layer + 2 * h + 1024 * h
+    assert roles["actor"].params == PSI and roles["reward"].params == GLM_10B.backbone_params + h
+    # only the 2 trained blocks keep activations for the backward
+    w, lay = Workload(hydra_layers=2), Layout(dp=8)
+    full = training(Role("actor", GLM_10B), lay, Workload()).activations
+    assert training(roles["actor"], lay, w).activations == pytest.approx(full * 2 / 48)
+    # the branch's forward: every hidden state of the trunk returned (49 x 1 x 1,024 x h x 2 bytes) on top of
+    # one block's working set
+    plain = inference(Role("reference", GLM_10B), lay, Workload()).activations
+    assert inference(roles["reference"], lay, w).activations == pytest.approx(plain + 49 * 1024 * h * 2)
+    # the search keeps value head and branch on the actor's GPUs, sharded as the actor is
+    llama = plan_file.arch_of("llama2-7b")[1]
+    result = search(llama, Workload(hydra_layers=2), Cluster(nodes=1, gpus_per_node=8, gpu="A100-80GB"))
+    assert result.plans and {p.placement for p in result.plans} == {"colocated"}
+    for p in result.plans:
+        actor = p.layouts["actor"]
+        assert all((p.layouts[n].tp, p.layouts[n].pp, p.layouts[n].dp) == (actor.tp, actor.pp, actor.dp)
+                   for n in ("critic", "reference"))
+    with pytest.raises(ValueError, match="hydra_layers=2 with LoRA"):
+        Workload(hydra_layers=2, lora=8)
+    with pytest.raises(ValueError, match="must be below the model's 48 blocks"):
+        make_roles(GLM_10B, Workload(hydra_layers=48))

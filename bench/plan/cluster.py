@@ -143,6 +143,9 @@ class Workload:
     parallel_output: bool = True  # ColossalChat's parallel_output=False: every tp rank keeps whole-vocabulary logits
     keep_experience_caches: bool = True  # DS-Chat keeps each experience forward's whole output (its KV cache too)
     # until the experience is assembled; ColossalChat keeps only the logits (false)
+    hydra_layers: int = 0  # trlx's hydra layout (num_layers_unfrozen = k > 0): only the actor's top k blocks (with
+    # the final norm, learned positions and an untied head) train, the reference is a branch of k frozen blocks and
+    # a head on the actor's trunk, the critic a value head on the actor's hidden states; 0 = separate models
 
     def __post_init__(self) -> None:
         if self.precision not in ("bf16", "fp16", "fp32"):
@@ -162,6 +165,11 @@ class Workload:
                      "parallel_output", "keep_experience_caches"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"workload.{name}={getattr(self, name)!r} must be true or false")
+        if isinstance(self.hydra_layers, bool) or not isinstance(self.hydra_layers, int) or self.hydra_layers < 0:
+            raise ValueError(f"workload.hydra_layers={self.hydra_layers!r} must be an integer >= 0")
+        if self.hydra_layers and (self.lora or self.critic_lora):
+            raise ValueError(f"workload.hydra_layers={self.hydra_layers} with LoRA: trlx builds no hydra branch under "
+                             "peft (its reference is the adapter-disabled model); set hydra_layers=0")
         if self.cache not in ("kv", "mems"):
             raise ValueError(f"workload.cache={self.cache!r}; allowed: kv, mems")
 
@@ -210,6 +218,7 @@ class Role:
     arch: Arch
     lora: int = 0
     lora_trains: str = "factors"  # Workload.lora_trains
+    hydra: int = 0  # Workload.hydra_layers: trlx's branch depth (0: separate models)
 
     @property
     def trained(self) -> bool:
@@ -217,10 +226,22 @@ class Role:
 
     @property
     def params(self) -> int:
-        """The causal LM; critic and reward: the backbone (no LM head) and a scalar value head (h -> 1)."""
+        """The causal LM; critic and reward: the backbone (no LM head) and a scalar value head (h -> 1). Under
+        trlx's hydra the critic is its value head alone, an MLP h -> 2h -> 1 on the actor's hidden states, and
+        the reference the branch: the top k blocks, the final norm and its own copy of the LM head."""
+        arch = self.arch
+        if self.hydra and self.name == "critic":
+            return 2 * arch.hidden ** 2 + 4 * arch.hidden + 1
+        if self.hydra and self.name == "reference":
+            return self.hydra * arch.layer_params + arch.norm_params + arch.vocab * arch.hidden
         if self.name in ("critic", "reward"):
-            return self.arch.backbone_params + self.arch.hidden
-        return self.arch.total_params
+            return arch.backbone_params + arch.hidden
+        return arch.total_params
+
+    @property
+    def trained_layers(self) -> int:
+        """The blocks whose activations the backward needs: all, or under hydra the actor's top k."""
+        return self.hydra if self.hydra and self.name == "actor" else self.arch.layers
 
     @property
     def lora_params(self) -> int:
@@ -232,6 +253,9 @@ class Role:
         (factors) or all but the wrapped block weights (unwrapped: DS-Chat's embeddings, norms, biases, head)."""
         if not self.trained:
             return 0
+        if self.hydra and self.name == "actor":  # trlx freezes the word embedding (and a tied head) and the
+            arch = self.arch  # blocks below the top k
+            return self.params - arch.vocab * arch.hidden - (arch.layers - self.hydra) * arch.layer_params
         if not self.lora:
             return self.params
         return self.params - self.arch.block_weights() if self.lora_trains == "unwrapped" else 0
@@ -317,9 +341,11 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     arch, vb, shard = role.arch, workload.value_bytes, _shard(layout)
     b, s, t = workload.micro_batch, workload.seq, layout.tp
     per_layer = layer_activation_bytes(arch, b, s, t, layout.recompute, vb, workload.flash_attention)
-    activations = arch.layers * per_layer
+    activations = role.trained_layers * per_layer
     if layout.recompute:
         activations += layer_activation_bytes(arch, b, s, t, False, vb)
+    if role.hydra and role.name == "critic":  # the value head's fp32 hidden layer, on the actor's hidden states
+        activations = b * s * 2 * arch.hidden * 4 / t
     dense = role.dense_trainable
     grads = dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
     bucket = vb * min(DEEPSPEED_BUCKET, dense / shard) if layout.zero == 2 and dense else 0.0
@@ -337,6 +363,10 @@ def inference(role: Role, layout: Layout, workload: Workload) -> Terms:
     work = s * b * _block_width(arch) / t * vb
     if not workload.flash_attention:
         work += 2 * b * arch.heads / t * s * s * vb
+    if role.hydra and role.name == "reference":  # trlx's forward_hydra runs the trunk with every hidden state
+        work += (arch.layers + 1) * b * s * arch.hidden / t * vb  # returned, and the branch on one of them
+    if role.hydra and role.name == "critic":  # the value head rides on the actor's forward
+        work = b * s * 2 * arch.hidden * 4 / t
     return Terms(activations=work, buffers=_gathered(role, layout, workload))
 
 

@@ -103,6 +103,9 @@ def context(config: dict[str, Any]) -> tuple[str, Any, Any, Cluster, Workload]:
     critic_arch = arch_of(critic, "critic_model")[1] if critic else arch
     cluster = cluster_of(config.get("cluster"))
     workload = workload_of(config.get("workload"))
+    if workload.hydra_layers >= arch.layers:
+        raise PlanError(f"workload.hydra_layers={workload.hydra_layers} must be below the model's {arch.layers} "
+                        "blocks (trlx's num_layers_unfrozen)")
     return name, arch, critic_arch, cluster, workload
 
 

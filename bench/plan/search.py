@@ -120,8 +120,12 @@ def make_roles(arch: Arch, workload: Workload, critic_arch: Arch | None = None) 
     critic = critic_arch or arch
     critic_lora = workload.lora if workload.critic_lora is None else workload.critic_lora
     rank = {"actor": workload.lora, "critic": critic_lora}
-    return {name: Role(name, critic if name in ("critic", "reward") else arch, rank.get(name, 0),
-                       workload.lora_trains) for name in ROLES}
+    if workload.hydra_layers >= arch.layers:
+        raise ValueError(f"workload.hydra_layers={workload.hydra_layers} must be below the model's {arch.layers} "
+                         "blocks (trlx's num_layers_unfrozen)")
+    hydra = {n: workload.hydra_layers for n in ("actor", "critic", "reference")}
+    return {name: Role(name, arch if hydra.get(name) or name not in ("critic", "reward") else critic,
+                       rank.get(name, 0), workload.lora_trains, hydra.get(name, 0)) for name in ROLES}
 
 
 def evaluate(placement: str, roles: dict[str, Role], layouts: dict[str, Layout], groups: tuple[tuple[str, ...], ...],
@@ -247,7 +251,11 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
     start = time.perf_counter()
     roles = make_roles(arch, workload, critic_arch)
     plans, rejected, evaluated = [], [], 0
-    for placement, groups in PLACEMENTS.items():
+    # trlx's hydra: value head and branch run on the actor's own GPUs and shards, so only the colocated
+    # placement, with critic and reference sharded as the actor is (a plan file may still give the reward
+    # model GPUs of its own, as trlx's examples do)
+    placements = {"colocated": PLACEMENTS["colocated"]} if workload.hydra_layers else PLACEMENTS
+    for placement, groups in placements.items():
         if cluster.gpus % len(groups):
             continue
         per_group = cluster.gpus // len(groups)
@@ -259,6 +267,8 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
         for names in groups:
             best, lean = None, None
             for combo in itertools.product(*(fronts[n] for n in names)):
+                if workload.hydra_layers and not _hydra_shards(combo, names):
+                    continue
                 evaluated += 1
                 peak = _group_phase_bytes(combo, names, roles, workload)
                 seconds = sum(o.seconds for o in combo)
@@ -280,6 +290,12 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
     rejected += uniform_plans(roles, workload, cluster)
     plans.sort(key=lambda p: p.step_seconds)
     return SearchResult(plans, [p for p in rejected if not p.fits], evaluated, time.perf_counter() - start, variant)
+
+
+def _hydra_shards(combo: tuple[Option, ...], names: tuple[str, ...]) -> bool:
+    """Under trlx's hydra the critic (the value head) and the reference (the branch) are sharded as the actor."""
+    shape = {n: (o.layout.tp, o.layout.pp, o.layout.dp) for n, o in zip(names, combo, strict=True)}
+    return all(shape[n] == shape["actor"] for n in ("critic", "reference") if n in shape)
 
 
 def uniform_plans(roles: dict[str, Role], workload: Workload, cluster: Cluster) -> list[Plan]:
