@@ -391,7 +391,7 @@ def test_trlx_hydra_layout_by_hand():
     from bench.plan.cluster import inference, training
     from bench.plan.search import make_roles
 
-    h, layers, vocab = 4096, 48, 50_304
+    h, vocab = 4096, 50_304
     layer = 12 * h * h + 13 * h  # a GPT-2-shaped block: QKV, output, MLP, their biases, two LayerNorms
     roles = make_roles(GLM_10B, Workload(hydra_layers=2))
     # the reference is trlx's branch: 2 blocks, the final LayerNorm (2h) and its own copy of the LM head
