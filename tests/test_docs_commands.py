@@ -164,6 +164,8 @@ def _script_form(args: list[str], env: dict[str, str], tier: str) -> Form:
             return Form(["git", "rev-parse", "--verify", f"{env['COMMIT']}^{{commit}}"], "the commit it names "
                         "resolves; the sweep's dry run is the plain command's (the slow tier runs this one's too)")
         return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the sweep takes hours", env=env)
+    if script == "scripts/llama_rung.sh":
+        return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the rung takes hours")
     raise AssertionError(f"no runner for the script {script}")
 
 

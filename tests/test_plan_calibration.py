@@ -37,3 +37,16 @@ def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:
     assert cal.offset("sft/training/zero0", "cpu", 4) == 20.0
     assert cal.offset("rm/training/full", "cpu") == 0.0  # nothing fitted for the stage
     assert cal.offset("ppo/training/full", "cuda") == 0.0  # fitted on the CPU: not a GPU's slack
+
+
+def test_calibrate_reads_several_roots_naming_each_run_under_its_folder(tmp_path):
+    from bench.plan.calibrate import _records
+    from report_records import config, record, write
+
+    for root, model in (("glm-base", "glm-base"), ("llama-base", "llama-base")):
+        write(str(tmp_path / root), "run-a", record(config(**{"model.name": model}), run_id=f"{model}-a"))
+    both = _records([str(tmp_path / "glm-base"), str(tmp_path / "llama-base")])
+    # the same run folder under two roots stays two runs, each named by its root
+    assert sorted(both) == ["glm-base/run-a", "llama-base/run-a"]
+    assert both["llama-base/run-a"]["run_id"] == "llama-base-a"
+    assert sorted(_records([str(tmp_path / "glm-base")])) == ["run-a"]

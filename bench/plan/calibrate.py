@@ -102,39 +102,50 @@ def runtime_samples(records: dict[str, dict[str, Any]], runs: list[str]) -> list
     return out
 
 
+def _records(roots: list[str]) -> dict[str, dict[str, Any]]:
+    """Every record under the roots; with several, each run named under its root's folder name."""
+    if len(roots) == 1:
+        return collect(roots[0]).records
+    return {f"{os.path.basename(os.path.normpath(root))}/{run}": record
+            for root in roots for run, record in collect(root).records.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plan.calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("root")
+    parser.add_argument("root", nargs="+", help="directories of records (several: one model's rung beside another)")
     parser.add_argument("--select", action="append", default=[], help="KEY=VALUE a fitted run's config matches")
     parser.add_argument("--dry-run", action="store_true", help="print the fit, write nothing")
     args = parser.parse_args(argv)
     console = Console() if sys.stdout.isatty() else Console(width=160)
-    if not os.path.isdir(args.root):
-        console.print(f"[red]{args.root} is not a directory[/red]")
+    missing = [root for root in args.root if not os.path.isdir(root)]
+    if missing:
+        console.print(f"[red]{', '.join(missing)}: not a directory[/red]")
         return 2
     selection = _selection(args.select)
-    records = collect(args.root).records
+    records = _records(args.root)
     rows = comparisons(records)  # with the calibration now in place; physics is what the fit reads
+    source = " + ".join(args.root)
     if not rows:
-        console.print(f"[red]no successful run of a framework with a memory model under {args.root}[/red]")
+        console.print(f"[red]no successful run of a framework with a memory model under {source}[/red]")
         return 2
     table = Table(title=f"memory model vs measured growth, |error| (tolerance {TOLERANCE:.0%})")
     for column in ("framework", "runs", "split", "MAE physics", "MAE calibrated", "worst", "within"):
         table.add_column(column)
     for framework in sorted({r.framework for r in rows}):
-        fit = refit(records, rows, selection, args.root, framework)
+        fit = refit(records, rows, selection, source, framework)
         if fit is None:
             console.print(f"[yellow]{framework}: no run matches the selection; its calibration is unchanged[/yellow]")
             continue
         cal, mine, chosen, device = fit
         for split, subset in splits(mine, cal, chosen, framework, device).items():
-            acc = Accuracy.of(subset, TOLERANCE)
-            if acc is None:
-                continue
-            worst = acc.worst
-            table.add_row(framework, str(acc.runs), split, f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
-                          f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.model} seed {worst.seed})",
-                          f"{acc.within}/{acc.runs}")
+            models = sorted({r.model for r in subset})
+            for model in models:  # a split by model where it holds several: each model's accuracy on its own
+                acc = Accuracy.of([r for r in subset if r.model == model], TOLERANCE)
+                worst = acc.worst
+                table.add_row(framework, str(acc.runs), split if len(models) == 1 else f"{split} · {model}",
+                              f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
+                              f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.model} seed {worst.seed})",
+                              f"{acc.within}/{acc.runs}")
         if not args.dry_run:
             console.print(f"wrote {calibration.save(cal, registry.package(framework))}")
     console.print(table)
