@@ -40,8 +40,9 @@ def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:
 
 
 def test_calibrate_reads_several_roots_naming_each_run_under_its_folder(tmp_path):
-    from bench.plan.calibrate import _records
     from report_records import config, record, write
+
+    from bench.plan.calibrate import _records
 
     for root, model in (("glm-base", "glm-base"), ("llama-base", "llama-base")):
         write(str(tmp_path / root), "run-a", record(config(**{"model.name": model}), run_id=f"{model}-a"))
