@@ -97,12 +97,15 @@ def _describe(setting: Setting) -> str:
     return ", ".join(parts)
 
 
-def fits_device(setting: Setting, gpu_gb: float, share: float = 1.0) -> tuple[str, str]:
-    """Whether the stated configuration's bound fits `share` of a GPU of `gpu_gb` vendor gigabytes."""
-    bound, usable = lower_bound(setting), share * gpu_gb * GB
+def fits_device(setting: Setting, gpu: str, share: float = 1.0) -> tuple[str, str]:
+    """Whether the stated configuration's bound fits `share` of a GPU's memory as torch reports it
+    (bench.plan.cluster.GPUS: total_memory, somewhat below the card's nominal size)."""
+    card = GPUS[gpu]
+    bound, usable = lower_bound(setting), share * card.total_memory_bytes
     verdict = CONSISTENT if bound <= usable else IMPLAUSIBLE
     return verdict, (f"{setting.stage.upper()}, {_describe(setting)}: at least {_both(bound)} per GPU against "
-                     f"{_both(usable)} ({share:.0%} of {gpu_gb:g} GB)")
+                     f"{_both(usable)} ({share:.0%} of the {gpu}'s {card.total_memory_gib:.2f} GiB as torch reports "
+                     "it)")
 
 
 def batch_arithmetic(global_batch: int, micro_batch: int, accumulation: int, data_parallel: int) -> tuple[str, str]:

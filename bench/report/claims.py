@@ -527,7 +527,7 @@ def _plan_a(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
 
 def _a20(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     batch_verdict, batch_text = arithmetic.batch_arithmetic(32, 4, 4, 8)
-    mem_verdict, mem_text = arithmetic.fits_device(replace(_A, stage="ppo", offload=True), 80.0)
+    mem_verdict, mem_text = arithmetic.fits_device(replace(_A, stage="ppo", offload=True), "A100-80GB")
     verdict = arithmetic.IMPLAUSIBLE if arithmetic.IMPLAUSIBLE in (batch_verdict, mem_verdict) else batch_verdict
     return verdict, f"batch: {batch_text} ({batch_verdict}); memory: {mem_text} ({mem_verdict})"
 
@@ -540,7 +540,7 @@ def _a18(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
 def _b2(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     weights = _EIGHT_B.total_params * 2
     setting = arithmetic.Setting(_EIGHT_B, "ppo", gpus=8, zero=2, micro_batch=1, seq=1024)
-    fits, text = arithmetic.fits_device(setting, 40.0, 0.9)
+    fits, text = arithmetic.fits_device(setting, "A100-40GB", 0.9)
     # the claim says they do not fit: it holds when the arithmetic says they do not
     verdict = arithmetic.CONSISTENT if fits == arithmetic.IMPLAUSIBLE else arithmetic.IMPLAUSIBLE
     return verdict, (f"an 8 B GLM-shaped model ({_EIGHT_B.total_params / 1e9:.2f} B parameters) has "
