@@ -143,6 +143,22 @@ def test_tensor_parallel_two_ranks_runs_every_stage(run_bench):
     assert generation["tokens_per_s_global"] <= 1.01 * max(generation["tokens_per_s_per_rank"])
 
 
+@pytest.mark.slow  # 2 ranks, SFT through the shardformer's Llama policy
+def test_tensor_parallel_runs_a_llama_through_its_shardformer_policy(run_bench):
+    """tiny-llama at tp=2: the Llama policy splits q, k, v, o, gate, up and down over 2 ranks (4 query and 2
+    K/V heads: 2 and 1 per rank), the embedding and the untied head by vocabulary, and keeps the norms whole."""
+    record = run_bench(CAI, "model=tiny-llama", "stage=sft", "plugin=3d", "tp=2", "precision=bf16",
+                       "launcher.nproc=2", "steps=3", "warmup_steps=1")
+    sft = record["stages"]["sft"]
+    assert sft["status"] == "ok", sft["error"]
+    assert "tp_size=2" in sft["notes"][0]
+    # by hand: 4 blocks' linears 4 x 184,320 / 2 = 368,640, embedding and head 2 x 32,768 / 2 = 32,768, the
+    # 9 norms whole 9 x 128 = 1,152: 402,560 parameters a rank, 805,120 bf16 bytes
+    held = sft["model_state"]["actor"]["param_bytes_per_rank"]
+    assert sft["params"]["actor"]["total"] == 803_968
+    assert held == [805_120, 805_120], held
+
+
 def test_pipeline_parallel_with_data_parallel_replicas_trains_sft(run_bench):
     """pp=2 x dp=2 on 4 ranks: both stages of a replica must draw the same batch (colossalai lays its mesh
     out as (dp, pp, tp), so the data-parallel rank comes from the plugin's own groups)."""
