@@ -419,6 +419,17 @@ def test_trlx_hydra_layout_by_hand():
         actor = p.layouts["actor"]
         assert all((p.layouts[n].tp, p.layouts[n].pp, p.layouts[n].dp) == (actor.tp, actor.pp, actor.dp)
                    for n in ("critic", "reference"))
+    # the step-time estimate, on one A100 (no communication): the 46 frozen bottom blocks run forward only,
+    # the word embedding (frozen, tied: it is the head the gradient passes through) forward and input gradient,
+    # the trained 2 blocks, norm and positions forward and backward; attention's backward in the top 2 blocks
+    from bench.plan.cost import phase_seconds
+    one = Cluster(nodes=1, gpus_per_node=1, gpu="A100-80GB")
+    single = Workload(hydra_layers=2, global_batch=1)
+    trained, below = 2 * layer + 2 * h + 1024 * h, 46 * layer
+    attention = 4 * 48 * 1024 * h
+    flops = (6 * trained + 4 * (PSI - trained - below) + 2 * below + attention + 2 * attention * 2 / 48) * 1024
+    actor = make_roles(GLM_10B, single)["actor"]
+    assert phase_seconds(actor, Layout(dp=1), single, one, "training") == pytest.approx(flops / (312e12 * 0.4))
     with pytest.raises(ValueError, match="hydra_layers=2 with LoRA"):
         Workload(hydra_layers=2, lora=8)
     with pytest.raises(ValueError, match="must be below the model's 48 blocks"):

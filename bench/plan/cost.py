@@ -54,6 +54,11 @@ def phase_seconds(role: Role, layout: Layout, workload: Workload, cluster: Clust
     stage_weights = role.params * vb / (tp * pp)
     layers_here = arch.layers / pp
     attention = 4 * arch.layers * workload.seq * arch.hidden
+    if role.hydra and role.name == "critic":  # trlx's value head: no blocks of its own
+        attention = 0
+    elif role.hydra and role.name == "reference":  # forward_hydra runs the whole trunk again, then the branch
+        n = arch.total_params + role.params
+        attention = 4 * (arch.layers + role.hydra) * workload.seq * arch.hidden
     if phase == "generation" and layout.generation_tp:
         # the Hybrid Engine: gather the trained shards into the generation layout once, then decode on it
         gen = layout.generation
@@ -82,7 +87,11 @@ def phase_seconds(role: Role, layout: Layout, workload: Workload, cluster: Clust
         gather = micro * _ring(stage_weights / 2, dp, dp_bw, dp_lat, layers_here) if layout.zero >= 3 else 0.0
         return compute + tp_comm + gather
     epochs = workload.ppo_epochs
-    flops = (6 * trained + 4 * (n - trained) + 3 * attention) * tokens
+    # frozen weights cost a forward and, where the gradient passes through them, its input gradient; under trlx's
+    # hydra nothing flows below the top k blocks, so those run forward only
+    below = (arch.layers - role.hydra) * arch.layer_params if role.hydra and role.name == "actor" else 0
+    backward_attention = 2 * attention * (role.hydra / arch.layers if below else 1)
+    flops = (6 * trained + 4 * (n - trained - below) + 2 * below + attention + backward_attention) * tokens
     if layout.recompute:
         flops += (2 * n + attention) * tokens
     compute = epochs * flops / (gpus * peak) * fill
