@@ -52,3 +52,5 @@ def test_a_file_without_its_fact_is_refused_by_name(tmp_path):
     with pytest.raises(plan_file.PlanError, match="published.fits"):
         facts.read(str(path))
     assert facts.main(["--dir", str(tmp_path / "none")]) == 2
+    path.write_text("fact: {framework: X: Y}\n")
+    assert facts.main(["--dir", str(tmp_path)]) == 2  # not YAML: named, no traceback

@@ -63,8 +63,11 @@ class Verdict:
 
 def read(path: str) -> tuple[Fact, dict[str, Any]]:
     """The fact and the plan of one file; a file without a complete `fact:` block is refused by name."""
-    with open(path) as f:
-        data = yaml.safe_load(f)
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        raise plan_file.PlanError(f"{path}: not YAML: {err}") from None
     if not isinstance(data, dict) or not isinstance(data.get("fact"), dict):
         raise plan_file.PlanError(f"{path}: a fact file needs a `fact:` mapping beside the plan")
     fact, plan = data.pop("fact"), data
