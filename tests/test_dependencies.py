@@ -92,6 +92,7 @@ print("PROBE" + json.dumps({"failed": failed, "refusals": refusals, "exit": code
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # 97 s of CI's 30 minutes (a venv built and pip-installed): scripts/test_slow.sh
 def test_a_fresh_venv_with_the_plain_install_imports_every_module_and_names_the_missing_extras(tmp_path):
     """`pip install -e .` alone (no extras, so no colossalai, einops, galore-torch nor bitsandbytes) in a new venv,
     torch installed first as scripts/setup.sh does: every module under bench/ and adapters/ imports, and the runs

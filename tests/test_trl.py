@@ -183,6 +183,7 @@ def _plain(stage_dir: str, stage: str, tmp_path, init: dict[str, str]) -> list[d
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # 51 s of CI's 30 minutes (TRL's step run twice): scripts/test_slow.sh
 def test_the_seams_change_no_result_and_the_phases_add_up_to_trls_step(run_bench, tmp_path) -> None:
     sft = run_bench("framework=trl", "stage=sft", "steps=4", "warmup_steps=1", name="sft")
     run_dir = tmp_path / "sft"
