@@ -164,6 +164,8 @@ def _script_form(args: list[str], env: dict[str, str], tier: str) -> Form:
             return Form(["git", "rev-parse", "--verify", f"{env['COMMIT']}^{{commit}}"], "the commit it names "
                         "resolves; the sweep's dry run is the plain command's (the slow tier runs this one's too)")
         return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the sweep takes hours", env=env)
+    if script == "scripts/slurm_local.sh":
+        return Form(["bash", "-n", script], "SLURM's daemons as root: tests/test_multinode.py starts and stops them")
     if script == "scripts/llama_rung.sh":
         return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the rung takes hours")
     raise AssertionError(f"no runner for the script {script}")
@@ -177,6 +179,8 @@ def _run_form(rest: list[str], tier: str, scratch: str) -> Form:
         return dry
     if any(word.startswith("hydra/launcher=submitit_slurm") for word in rest):
         return Form(None, "needs a SLURM cluster")
+    if any(re.fullmatch(r"launcher\.nnodes=([2-9]|\d\d+)", word) for word in rest):
+        return Form(None, "one node of several: the others run beside it (tests/test_multinode.py)")
     sweeping = "-m" in rest
     cells = len(expand([w for w in rest if not w.startswith("-")])) if sweeping else 1
     if cells > SLOW_MAX_CELLS:

@@ -38,9 +38,34 @@ def environment_tables(collection: Collection) -> list[Table]:
                "cores, memory; GPUs where any), the code (commit, +dirty with the hash of the uncommitted diff "
                "where the tree differed from it), and the versions of every library the run could import. "
                + summary + ".")
-    return [Table("environment", "Hosts, code and libraries", caption, ["what", "value", "runs"],
-                  [["host", v, n] for v, n in hosts] + [["code", v, n] for v, n in code]
-                  + [["python", v, n] for v, n in python] + [["libraries", v, n] for v, n in versions])]
+    tables = [Table("environment", "Hosts, code and libraries", caption, ["what", "value", "runs"],
+                    [["host", v, n] for v, n in hosts] + [["code", v, n] for v, n in code]
+                    + [["python", v, n] for v, n in python] + [["libraries", v, n] for v, n in versions])]
+    node_rows = nodes_rows(collection.records)
+    if node_rows:
+        tables.append(Table("nodes", "Runs over several nodes, by node", NODES_CAPTION,
+                            ["run", "stage", "node", "host", "ranks", "host peak MiB (phase)", "fate"], node_rows))
+    return tables
+
+
+NODES_CAPTION = ("Each node of a run over several nodes (launcher.nnodes > 1), from the stage record's node list: "
+                 "its host, the global ranks torchrun's rendezvous gave it, its host memory (per phase the sum over "
+                 "its ranks of each rank's peak, an upper bound of the node's process tree; the largest phase shown, "
+                 "MiB = 2^20 bytes) and, for a node whose ranks did not finish, which and why.")
+
+
+def nodes_rows(records: dict[str, dict[str, Any]]) -> list[list[str]]:
+    """One row per node of every stage that ran over several nodes, in run, stage and node order."""
+    rows = []
+    for run, record in sorted(records.items()):
+        for stage, result in (record.get("stages") or {}).items():
+            for node in result.get("nodes") or []:
+                peaks = node.get("host_peak_bytes") or {}
+                phase = max(peaks, key=peaks.get) if peaks else None
+                peak = f"{peaks[phase] / 2**20:,.0f} ({phase})" if phase else "-"
+                rows.append([run, stage, str(node["node"]), node["host"], " ".join(map(str, node["ranks"])), peak,
+                             node.get("why") or "finished"])
+    return rows
 
 
 def machine_words(rows: list[dict[str, Any]]) -> str:

@@ -26,7 +26,9 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
 # Keys that never tell two cells apart: the seed (repeats differ in it alone) and where/how a run was filed.
 # global_batch: a check before launch, nothing the run does; verbose: what the terminal shows.
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
-                    "launcher.stall_s", "preflight", "global_batch", "verbose")
+                    "launcher.stall_s", "preflight", "global_batch", "verbose",
+                    # where a node stands in a run over several nodes, not what the run does
+                    "launcher.node_rank", "launcher.rdzv_endpoint", "launcher.rdzv_id", "launcher.rdzv_timeout_s")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the
@@ -38,7 +40,8 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
               "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None,
               "grad_accum": 1, "stage_steps.grpo": 10,
-              "init.sft_prerequisite": False}  # PPO's actor started from random base weights before the key
+              "init.sft_prerequisite": False,
+              "launcher.nnodes": 1}  # PPO's actor started from random base weights before the key
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
@@ -128,7 +131,9 @@ def _config_columns(config: dict[str, Any]) -> dict[str, Any]:
         "lora_alpha": config.get("lora_alpha") if config.get("lora") else None,  # None: the framework's
         "batch": config.get("batch"),
         "grad_accum": config.get("grad_accum", 1),
-        "nproc": config.get("launcher", {}).get("nproc"),
+        # every rank of the run: launcher.nproc on each of launcher.nnodes nodes (the per-rank rates divide by it)
+        "nproc": (config.get("launcher", {}).get("nproc") or 1) * (config.get("launcher", {}).get("nnodes") or 1),
+        "nnodes": config.get("launcher", {}).get("nnodes") or 1,
         "tp": config.get("tp", 1),
         "pp": config.get("pp", 1),
         "plugin": config.get("plugin", "auto"),

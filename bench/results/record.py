@@ -93,6 +93,7 @@ class StageRecord:
     checkpoints: dict[str, Any] = field(default_factory=dict)  # saves during the stage (checkpoint.every)
     resumed_from_step: int | None = None  # steps done by the checkpoint this stage resumed from (resume=true)
     fixed_cost: dict[str, Any] = field(default_factory=dict)  # where the time outside the steps goes
+    nodes: list[dict[str, Any]] = field(default_factory=list)  # launcher.nnodes > 1: each node's host, ranks, fate
 
 
 @dataclass
@@ -570,4 +571,54 @@ def stage_record(stage: str, ranks: list[dict[str, Any]], warmup: int, wall_time
     record.checkpoints = _checkpoints(ranks)
     record.resumed_from_step = ranks[0].get("resumed_from_step")
     record.fixed_cost = fixed_cost(ranks, wall_time_s)
+    record.nodes = nodes(ranks)
+    lost = [n["why"] for n in record.nodes if n.get("why")]
+    if lost and record.error is not None:  # the lost node is the cause; the others' failures follow from it
+        record.error = dict(record.error, nodes=lost,
+                            message=f"{'; '.join(lost)}. Then: {record.error['message']}")
     return record
+
+
+NODE_HOST_BYTES = ("per phase, the sum over the node's ranks of each rank's host-memory peak (CPU: peak_bytes; "
+                   "CUDA: host_peak_bytes): an upper bound of the node's process tree, as the ranks' peaks need "
+                   "not coincide")
+
+
+def nodes(ranks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A run over several nodes: each node's host and ranks, its ranks' host memory, and, for a node whose ranks
+    ended without finishing, which ranks and why (their agent died, or they wrote nothing at all). Places come
+    from each rank's own result and, for ranks that wrote none, from what the collecting rank read at start."""
+    places = {e["rank"]: e for r in ranks for e in r.get("places", [])}
+    places.update({r["rank"]: r["place"] for r in ranks if r.get("place")})
+    if not places:
+        return []
+    by_rank = {r["rank"]: r for r in ranks}
+    out: dict[int, dict[str, Any]] = {}
+    for rank in sorted(places):
+        e = places[rank]
+        node = out.setdefault(e["node"], {"node": e["node"], "host": e["host"], "group_rank": e["group_rank"],
+                                          "ranks": [], "missing_ranks": [], "agent_ended_ranks": [],
+                                          "host_peak_bytes": {}})
+        node["ranks"].append(rank)
+        result = by_rank.get(rank)
+        if result is None:
+            node["missing_ranks"].append(rank)
+            continue
+        if (result.get("cut_short") or {}).get("agent_ended"):
+            node["agent_ended_ranks"].append(rank)
+        key = "host_peak_bytes" if str(result.get("device", "cpu")).startswith("cuda") else "peak_bytes"
+        for sample in result.get("phase_samples", []):
+            if sample.get(key) is not None:
+                peaks = node.setdefault("_peaks", {}).setdefault(sample["phase"], {})
+                peaks[rank] = max(peaks.get(rank, 0), sample[key])
+    for node in out.values():
+        node["host_peak_bytes"] = {p: sum(v.values()) for p, v in node.pop("_peaks", {}).items()}
+        node["host_peak_bytes_definition"] = NODE_HOST_BYTES
+        why = []
+        if node["agent_ended_ranks"]:
+            why.append(f"rank(s) {node['agent_ended_ranks']} stopped when their torchrun agent ended")
+        if node["missing_ranks"]:
+            why.append(f"rank(s) {node['missing_ranks']} wrote no result that reached node 0")
+        if why:
+            node["why"] = f"node {node['node']} (host {node['host']}): " + "; ".join(why)
+    return [out[k] for k in sorted(out)]

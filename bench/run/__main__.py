@@ -24,11 +24,12 @@ from rich.console import Console
 from bench.plan.preflight import PreflightRefusal, preflight, resolve_device
 from bench.results.record import ResultRecord, StageRecord, utc_now
 from bench.results.table import print_record
-from bench.run.benchmark import RECORD_FILE, run_benchmark
+from bench.run.benchmark import RECORD_FILE, record_path, run_benchmark
 from bench.run.cli_checks import check_command_line
 from bench.run.cli_help import help_text
 from bench.run.config import CONF_DIR, to_plain
 from bench.run.dry_run import DRY_RUN_FLAG, dry_run
+from bench.run.nodes import node_of
 from bench.run.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
 from bench.run.sweep import ELSEWHERE, claim_cell, finished, oom_backstop, read_record
 
@@ -36,8 +37,10 @@ log = logging.getLogger("bench.run")
 
 
 def _write_outcome(run_dir: str, config: dict, status: str, message: str, phase: str) -> None:
-    """A record for a cell that did not run (or whose harness crashed): stages it had keep their records."""
-    path = os.path.join(run_dir, RECORD_FILE)
+    """A record for a cell that did not run (or whose harness crashed): stages it had keep their records (on
+    node k > 0 of a run over several nodes, that node's own view: bench.run.benchmark.record_path)."""
+    path = record_path(run_dir, node_of(config))
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     record = ResultRecord(run_id=os.path.basename(run_dir), config=config, status=status,
                           error={"message": message, "phase": phase})
     for stage in STAGE_CHOICES.get(config["stage"]["name"], (config["stage"]["name"],)):
@@ -57,7 +60,7 @@ def main(cfg: DictConfig) -> str:
     console = Console()
     if HydraConfig.get().mode != RunMode.MULTIRUN:
         return _run(config, run_dir, console, sweeping=False)
-    with claim_cell(run_dir) as mine:
+    with claim_cell(run_dir, node_of(config)) as mine:
         if not mine:  # another sweep over the same directory is running this cell now
             console.print(f"[dim]running in another process: {run_dir} -- left to it[/dim]", soft_wrap=True)
             return ELSEWHERE
@@ -70,7 +73,6 @@ def main(cfg: DictConfig) -> str:
 
 
 def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
-    record_path = os.path.join(run_dir, RECORD_FILE)
     try:
         spec = spec_from_config(config)
     except SpecError as err:
@@ -111,7 +113,8 @@ def _run(config: dict, run_dir: str, console: Console, sweeping: bool) -> str:
         _write_outcome(run_dir, config, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc(limit=8)}",
                        "harness")
         return "error"
-    print_record(record.to_dict(), record_path, console, report_root=os.path.dirname(run_dir))
+    print_record(record.to_dict(), record_path(run_dir, spec.launcher.node), console,
+                 report_root=os.path.dirname(run_dir))
     return record.status
 
 

@@ -34,6 +34,19 @@ from bench.run.sweep import read_record
 
 log = logging.getLogger(__name__)
 RECORD_FILE = "record.json"
+# A run over several nodes: node 0 writes the record (every rank's results are gathered there); node k > 0 keeps
+# its own view of the run, under node<k>/ of the run directory, as node.json (no report or sweep takes it for a run)
+NODE_RECORD_FILE = "node.json"
+
+
+def node_run_dir(run_dir: str, node: int) -> str:
+    """Where node `node` keeps its stage directories: the run directory on node 0, node<k>/ inside it elsewhere
+    (a shared filesystem gives every node the same run directory)."""
+    return run_dir if node == 0 else os.path.join(run_dir, f"node{node}")
+
+
+def record_path(run_dir: str, node: int) -> str:
+    return os.path.join(node_run_dir(run_dir, node), RECORD_FILE if node == 0 else NODE_RECORD_FILE)
 
 
 PREREQUISITE_SETTINGS = "fp32, zero=0, lora=0, 1 rank"
@@ -176,18 +189,19 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     rank's output is in its stage's worker.log either way)."""
     from adapters import registry
 
-    run_dir, cache_dir = os.path.abspath(run_dir), os.path.abspath(cache_dir)
+    run_id = os.path.basename(os.path.normpath(os.path.abspath(run_dir)))
+    path = os.path.abspath(record_path(run_dir, spec.launcher.node))
+    run_dir, cache_dir = os.path.dirname(path), os.path.abspath(cache_dir)
     os.makedirs(run_dir, exist_ok=True)
     remove_torn_writes(run_dir)
     model = {k: v for k, v in dataclasses.asdict(spec.model).items() if k != "lr"}
-    record = ResultRecord(run_id=os.path.basename(os.path.normpath(run_dir)), config=config, model=model,
+    record = ResultRecord(run_id=run_id, config=config, model=model,
                           harness_extension=registry.options_class(spec.framework).harness_extensions(spec),
                           preflight=preflight, batch=batch_shape(spec.batch, spec.grad_accum, spec.data_parallel))
-    record_path = os.path.join(run_dir, RECORD_FILE)
     init = {k: v for k, v in (("sft", spec.init.sft), ("rm", spec.init.rm)) if v}
     # resume=true: stages the interrupted run finished are kept as they were; the first unfinished one
     # continues from its last complete checkpoint (the worker finds it)
-    previous = read_record(record_path) if spec.resume else None
+    previous = read_record(path) if spec.resume else None
     kept = {name: StageRecord(**stage) for name, stage in ((previous or {}).get("stages") or {}).items()
             if stage.get("status") == "ok" and stage.get("checkpoint")}
     for stage in spec.stages:
@@ -209,14 +223,22 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
         record.stages[stage] = result
         environment = next((r["environment"] for r in outcome.ranks if "environment" in r), None)
         if environment and not record.environment:
-            record.environment = environment
+            record.environment = dict(environment)  # a copy: node 0's entry below holds the rank's own
+            if spec.launcher.nnodes > 1:  # where the agents met, and each node's host as its local rank 0 read it
+                launcher = spec.launcher
+                record.environment["rendezvous"] = {
+                    "backend": "c10d", "endpoint": launcher.rdzv_endpoint, "id": launcher.rdzv_id,
+                    "nnodes": launcher.nnodes, "nproc_per_node": launcher.nproc, "written_by_node": launcher.node}
+                record.environment["nodes"] = sorted((
+                    {"node": r["place"]["node"], "hostname": r["place"]["host"], "environment": r["environment"]}
+                    for r in outcome.ranks if "environment" in r and r.get("place")), key=lambda n: n["node"])
         if result.memory.get("phases"):
             _add_prediction(spec, stage, result, record.environment.get("device", "cpu"))
         if spec.soak and result.memory.get("timeline"):
             budget, source = soak_budget(spec, record.environment)
             result.memory["trend"] = soak_trends(result.memory["timeline"], result.steps, spec.warmup_steps,
                                                  spec.steps[stage], budget, source)
-        record.write(record_path)
+        record.write(path)
         if result.status != "ok":
             break
         if result.checkpoint:
@@ -229,5 +251,5 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     if failed is not None:
         record.status, record.error = failed.status, failed.error
     record.finished_utc = utc_now()
-    record.write(record_path)
+    record.write(path)
     return record

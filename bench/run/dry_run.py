@@ -49,14 +49,29 @@ def describe(spec: RunSpec) -> str:
     """The run in one line, as its result table heads it."""
     lora = f"LoRA {spec.lora}" if spec.lora else "LoRA off"
     steps = ", ".join(f"{stage} {spec.steps[stage]}" for stage in spec.stages)
+    nodes = f" x {spec.launcher.nnodes} nodes" if spec.launcher.nnodes > 1 else ""
     return (f"{spec.framework} {spec.stage} · {spec.model.name} · {spec.precision} · ZeRO-{spec.zero} · {lora} · "
-            f"batch {spec.batch} x {spec.launcher.nproc} rank(s) · {spec.prompt_len} + {spec.answer_len} tokens · "
-            f"steps: {steps}")
+            f"batch {spec.batch} x {spec.launcher.nproc} rank(s){nodes} · {spec.prompt_len} + {spec.answer_len} "
+            f"tokens · steps: {steps}")
+
+
+def slurm_job_env(overrides: list[str]) -> dict[str, str] | None:
+    """For a cell submitted through hydra/launcher=submitit_slurm: the SLURM_* its first task will see (job id 0,
+    task count hydra.launcher.nodes x tasks_per_node), so that a dry run checks the node place the job will read.
+    None for any other launcher (the place is this process's)."""
+    if "hydra/launcher=submitit_slurm" not in overrides:
+        return None
+    given = dict(o.split("=", 1) for o in overrides if o.startswith("hydra.launcher.") and "=" in o)
+    try:
+        tasks = int(given.get("hydra.launcher.nodes", 1)) * int(given.get("hydra.launcher.tasks_per_node", 1))
+    except ValueError as err:
+        raise SpecError(f"hydra.launcher.nodes and tasks_per_node must be integers ({err})") from None
+    return {"SLURM_JOB_ID": "0", "SLURM_PROCID": "0", "SLURM_NTASKS": str(tasks), "SLURM_JOB_NODELIST": "node0"}
 
 
 def check_cell(overrides: list[str]) -> Cell:
     try:
-        spec = spec_from_config(compose([o for o in overrides if not o.startswith("hydra")]))
+        spec = spec_from_config(compose([o for o in overrides if not o.startswith("hydra")]), slurm_job_env(overrides))
     except UnsupportedError as err:
         return Cell(overrides, "unsupported", str(err))
     except SpecError as err:

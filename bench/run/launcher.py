@@ -40,6 +40,7 @@ STACK_DUMP_WAIT_S = 2.0  # for the ranks' SIGUSR1 stack dumps to reach the log b
 TORCHRUN_CLOSE_S = 40.0  # torchrun gives its ranks 30 s after SIGTERM, then SIGKILLs them
 RANK_EXIT_S = 10.0  # a rank whose torchrun is gone, before it is killed
 FOLLOW_POLL_S = 0.2
+AGENT_EXIT_S = 10.0  # node 0's agent still running this long after its ranks ended waits for dead nodes
 # torchrun's failure summary names each failed rank with its exit code; -9 is SIGKILL.
 _KILLED_RANK = re.compile(r"rank\s*:\s*(\d+)\s*\(local_rank:\s*\d+\)\s*\n\s*exitcode\s*:\s*-9\b")
 
@@ -162,6 +163,25 @@ def _read_log(path: str) -> str:
         return ""
 
 
+def torchrun_command(spec: RunSpec, spec_path: str, stage_dir: str, stage: str, init: dict[str, str]) -> list[str]:
+    """One torchrun agent on this node: --standalone on one node; on several, the c10d rendezvous at the
+    endpoint every node names (the run's id keeps runs that share it apart, and the stage's keeps the stages
+    of one run apart), no restarts (a benchmark reports a failure, it does not retry it), and join_timeout
+    launcher.rdzv_timeout_s."""
+    launcher = spec.launcher
+    cmd = [sys.executable, "-m", "torch.distributed.run"]
+    if launcher.nnodes == 1:
+        cmd += ["--standalone", "--nnodes=1"]
+    else:
+        cmd += [f"--nnodes={launcher.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={launcher.rdzv_endpoint}",
+                f"--rdzv-id={launcher.rdzv_id}-{stage}", "--max-restarts=0",
+                f"--rdzv-conf=join_timeout={launcher.rdzv_timeout_s:g}"]
+    cmd += [f"--nproc-per-node={launcher.nproc}", "-m", "bench.run.worker", spec_path, stage_dir, stage]
+    for key, path in init.items():
+        cmd += [f"--init-{key}", os.path.abspath(path)]
+    return cmd
+
+
 def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str], console: Console | None = None,
                  label: str | None = None) -> StageOutcome:
     """`console`: where the stage's progress line (titled `label`, default the stage) is drawn, and with
@@ -176,12 +196,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
     remove_torn_writes(stage_dir)
     spec_path = os.path.join(stage_dir, "spec.json")
     write_json(spec_path, spec.to_dict())
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-        f"--nproc_per_node={spec.launcher.nproc}", "-m", "bench.run.worker", spec_path, stage_dir, stage,
-    ]
-    for key, path in init.items():
-        cmd += [f"--init-{key}", os.path.abspath(path)]
+    cmd = torchrun_command(spec, spec_path, stage_dir, stage, init)
     log_path = os.path.join(stage_dir, "worker.log")
     start = time.perf_counter()
     failure = None
@@ -200,7 +215,7 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
             echo = threading.Thread(target=_follow, args=(log_path, log.tell(), done), daemon=True)
             echo.start()
         try:
-            returncode = proc.wait(timeout=spec.launcher.timeout_s)
+            returncode = _wait_tree(proc, spec.launcher.timeout_s, spec.launcher.nnodes, spec.launcher.node, log)
         except subprocess.TimeoutExpired:
             _dump_stacks(proc, log)
             _kill_tree(proc)
@@ -226,10 +241,70 @@ def launch_stage(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str]
             ranks.append(json.load(f))
     if stalled:  # the cause: the other ranks' failures follow from it
         failure = stall_failure(stalled, log_path)
-    elif failure is None and len(ranks) < spec.launcher.nproc:
-        failure = missing_ranks_failure(spec.launcher.nproc, [r["rank"] for r in ranks], returncode,
-                                        _read_log(log_path))
+    elif failure is None and len(ranks) < _expected_ranks(spec):
+        log_text = _read_log(log_path)
+        failure = rendezvous_failure(spec, log_text) if not ranks else None
+        if failure is None and spec.launcher.node == 0:
+            failure = missing_ranks_failure(_expected_ranks(spec), [r["rank"] for r in ranks], returncode, log_text)
+        elif failure is None:  # another node: its ranks' global numbers are the rendezvous's choice
+            ended = (f"its torchrun agent was killed by {signal.Signals(-returncode).name}"
+                     if returncode is not None and returncode < 0 else f"torchrun's exit code {returncode}")
+            failure = {"status": "error", "error": {
+                "message": f"{spec.launcher.nproc - len(ranks)} of this node's {spec.launcher.nproc} rank(s) wrote no "
+                           f"result here ({ended}); node 0's record has what reached it", "phase": None}}
     return StageOutcome(ranks=ranks, wall_time_s=wall, failure=failure)
+
+
+def _wait_tree(proc: subprocess.Popen, timeout_s: float, nnodes: int, node: int, log) -> int | None:
+    """torchrun's exit code, or None where this node's agent had to be stopped after its ranks ended. On
+    several nodes an agent whose ranks ended waits in torchrun's exit barrier (up to 300 s) for the other
+    nodes' agents, dead ones too. On node 0 every result is in by then (the collecting rank ended after the
+    other nodes' ranks posted theirs, or gave up on them: bench.run.gather), so AGENT_EXIT_S after its last
+    rank ended the agent is stopped. Elsewhere the barrier is left to run: this agent may host the store that
+    a third node's ranks still post to."""
+    if nnodes == 1 or node != 0:
+        return proc.wait(timeout=timeout_s)
+    deadline = time.monotonic() + timeout_s
+    ranks_seen, ended_at = False, None
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            return proc.wait(timeout=min(FOLLOW_POLL_S * 5, remaining))
+        if _ranks(proc):
+            ranks_seen, ended_at = True, None
+        elif ranks_seen:
+            ended_at = ended_at or time.monotonic()
+            if time.monotonic() - ended_at > AGENT_EXIT_S:
+                log.write(f"\n==== this node's ranks ended {AGENT_EXIT_S:g} s ago and its torchrun agent still waits "
+                          "for the other nodes' agents: stopped ====\n".encode())
+                log.flush()
+                _kill_tree(proc)
+                return None
+
+
+def _expected_ranks(spec: RunSpec) -> int:
+    """Rank files a stage directory should end with: every rank's on node 0 (the others' are gathered there),
+    this node's own elsewhere."""
+    return spec.launcher.world_size if spec.launcher.node == 0 else spec.launcher.nproc
+
+
+_RENDEZVOUS_ERRORS = ("RendezvousTimeoutError", "RendezvousConnectionError", "RendezvousClosedError",
+                      "RendezvousError")
+
+
+def rendezvous_failure(spec: RunSpec, log: str) -> dict[str, Any] | None:
+    """torchrun's rendezvous failed (no rank started): the error names the endpoint, the id and what to check."""
+    found = next((name for name in _RENDEZVOUS_ERRORS if name in log), None)
+    if found is None or spec.launcher.nnodes == 1:
+        return None
+    launcher = spec.launcher
+    return {"status": "error", "error": {
+        "message": f"the rendezvous of {launcher.nnodes} nodes at {launcher.rdzv_endpoint} (id {launcher.rdzv_id}) "
+                   f"failed ({found}) within launcher.rdzv_timeout_s={launcher.rdzv_timeout_s:g}: every node must "
+                   f"run this command with launcher.nnodes={launcher.nnodes}, its own launcher.node_rank and the same "
+                   "endpoint and id, and reach the endpoint's host and port", "phase": "rendezvous"}}
 
 
 def stall_failure(stalled: list[Stall], log_path: str) -> dict[str, Any]:

@@ -244,18 +244,37 @@ class ModelSpec:
 
 @dataclass(frozen=True)
 class LauncherSpec:
-    nproc: int = 1
+    nproc: int = 1  # ranks on each node
     threads_per_rank: int = 1
     timeout_s: float = 1800.0
     stall_s: float = 900.0
     device: str = "auto"
+    nnodes: int = 1  # nodes, one torchrun agent each; > 1: c10d rendezvous (bench.run.nodes fills the three below)
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_timeout_s: float = 600.0  # how long an agent waits for the others to join
 
     def __post_init__(self) -> None:
         _int("launcher.nproc", self.nproc, 1)
+        _int("launcher.nnodes", self.nnodes, 1)
+        _positive_float("launcher.rdzv_timeout_s", self.rdzv_timeout_s)
         _int("launcher.threads_per_rank", self.threads_per_rank, 1)
         _positive_float("launcher.timeout_s", self.timeout_s)
         _positive_float("launcher.stall_s", self.stall_s)
         _choice("launcher.device", self.device, DEVICES)
+        if self.nnodes > 1 and None in (self.node_rank, self.rdzv_endpoint, self.rdzv_id):
+            raise SpecError(f"launcher.nnodes={self.nnodes} without its place (node_rank, rdzv_endpoint, rdzv_id): "
+                            "build the spec with spec_from_config, which reads them (bench.run.nodes)")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc * self.nnodes
+
+    @property
+    def node(self) -> int:
+        """This node's rank (0 on one node)."""
+        return self.node_rank or 0
 
 
 @dataclass(frozen=True)
@@ -489,11 +508,16 @@ class RunSpec:
             raise SpecError(f"plugin={self.plugin!r} must be a name (auto = chosen from zero, precision, offload)")
         _int("tp", self.tp, 1)
         _int("pp", self.pp, 1)
-        if self.launcher.nproc % (self.tp * self.pp):
-            raise SpecError(
-                f"tp={self.tp} x pp={self.pp} must divide launcher.nproc={self.launcher.nproc} "
-                "(data parallelism takes the remaining factor)"
-            )
+        if self.launcher.world_size % (self.tp * self.pp):
+            nodes = (f" x launcher.nnodes={self.launcher.nnodes} = {self.launcher.world_size} ranks"
+                     if self.launcher.nnodes > 1 else "")
+            raise SpecError(f"tp={self.tp} x pp={self.pp} must divide launcher.nproc={self.launcher.nproc}{nodes} "
+                            "(data parallelism takes the remaining factor)")
+        if self.launcher.nnodes > 1 and len(self.stages) > 1:
+            raise UnsupportedError(
+                f"stage={self.stage} with launcher.nnodes={self.launcher.nnodes}: a stage's checkpoint reaches the "
+                "next stage as a file on the node that saved it; run the stages one by one (stage=sft, stage=rm, "
+                "then stage=ppo with init.sft=FILE init.rm=FILE readable on every node)")
         if self.model.heads % self.tp:
             raise SpecError(f"tp={self.tp} must divide model.heads={self.model.heads}")
         if self.pp > self.model.layers:
@@ -560,7 +584,7 @@ class RunSpec:
 
     @property
     def data_parallel(self) -> int:
-        return self.launcher.nproc // (self.tp * self.pp)
+        return self.launcher.world_size // (self.tp * self.pp)
 
     @property
     def effective_global_batch(self) -> int:
@@ -630,8 +654,9 @@ def _targets(value: Any) -> str | tuple[str, ...] | None:
     return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
-def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
-    """Build and validate a RunSpec from a resolved config mapping (the Hydra config as a dict)."""
+def spec_from_config(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> RunSpec:
+    """Build and validate a RunSpec from a resolved config mapping (the Hydra config as a dict); `env`: where a
+    node's place over several nodes is read (default this process's environment: SLURM_* under SLURM)."""
     from adapters import registry
 
     framework = dict(cfg["framework"])
@@ -684,13 +709,25 @@ def spec_from_config(cfg: Mapping[str, Any]) -> RunSpec:
         reference=FrozenRoleSpec(**dict(cfg.get("reference") or {})),
         quant_library=cfg.get("quant_library", "torchao"),
         reward=RewardSpec(**dict(cfg.get("reward") or {})),
-        launcher=LauncherSpec(**dict(cfg["launcher"])),
+        launcher=placed_launcher(dict(cfg["launcher"]), os.environ if env is None else env),
         stability=StabilitySpec(**dict(cfg["stability"])),
     )
     registry.check_stages(name, spec.stages)
     registry.options_class(name).validate(spec)
     _require_extras(spec)
     return spec
+
+
+def placed_launcher(launcher: dict[str, Any], env: Mapping[str, str]) -> LauncherSpec:
+    """The launcher's keys with this node's place in a run over several nodes filled in (bench.run.nodes)."""
+    from bench.run.nodes import place
+
+    nnodes = launcher.get("nnodes", 1)
+    _int("launcher.nnodes", nnodes, 1)
+    found = place(nnodes, launcher.get("node_rank"), launcher.get("rdzv_endpoint"), launcher.get("rdzv_id"), env)
+    if found is not None:
+        launcher.update(node_rank=found.node_rank, rdzv_endpoint=found.rdzv_endpoint, rdzv_id=found.rdzv_id)
+    return LauncherSpec(**launcher)
 
 
 def _require_extras(spec: RunSpec) -> None:

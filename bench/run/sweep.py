@@ -35,11 +35,13 @@ CLAIM_FILE = ".claim.lock"
 
 
 @contextmanager
-def claim_cell(run_dir: str) -> Iterator[bool]:
+def claim_cell(run_dir: str, node: int = 0) -> Iterator[bool]:
     """Hold a cell for the duration of its run; yields False when another process holds it. Two sweeps
-    over the same directory then run each cell once. flock, so the claim dies with its holder (SIGKILL too)."""
+    over the same directory then run each cell once. flock, so the claim dies with its holder (SIGKILL too).
+    A run over several nodes claims a cell once per node: each node's process runs its part."""
     os.makedirs(run_dir, exist_ok=True)
-    with open(os.path.join(run_dir, CLAIM_FILE), "w") as lock:
+    name = CLAIM_FILE if node == 0 else CLAIM_FILE.replace(".lock", f"-node{node}.lock")
+    with open(os.path.join(run_dir, name), "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

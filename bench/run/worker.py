@@ -28,6 +28,7 @@ from bench.measure.environment import environment, matrix_isa
 from bench.measure.phases import PhaseTracker
 from bench.results.record import write_json
 from bench.run.data import SyntheticData
+from bench.run.gather import NodeLink
 from bench.run.loop import StageLoop, StepObserver
 from bench.run.models import model_build_seconds
 from bench.run.progress import ProgressFeed, feed_path
@@ -49,6 +50,7 @@ class CutShort(BaseException):  # noqa: N818 -- not an error of the run: a signa
 
 
 _watchdog: RankWatchdog | None = None
+_agent_pid = os.getppid()  # torchrun's agent, this rank's parent
 
 
 def _raise_cut_short(signum: int, _frame) -> None:
@@ -115,8 +117,9 @@ def emulated_fp16(precision: str, device_type: str) -> str | None:
 
 
 def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
-             watchdog: RankWatchdog | None = None) -> dict[str, Any]:
-    """`watchdog`: told of each phase, JIT op load, the save and the close (its stall timer re-armed)."""
+             watchdog: RankWatchdog | None = None, link: NodeLink | None = None) -> dict[str, Any]:
+    """`watchdog`: told of each phase, JIT op load, the save and the close (its stall timer re-armed); `link`:
+    this rank's part in gathering a run over several nodes (bench.run.gather)."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -127,13 +130,15 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
     adapter = None
     loop = None
     observers: list[StepObserver] = []
-    feed = ProgressFeed(feed_path(stage_dir)) if rank == 0 else None
+    feed = ProgressFeed(feed_path(stage_dir)) if local_rank == 0 else None  # each node shows its progress
     try:
+        if link is not None:
+            link.start(rank, world, local_rank, result)
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device, spec.release_every)
         result.update(device=str(device), process_start_bytes=tracker.memory.current_bytes(),
                       memory_method=tracker.memory.method, time_method=tracker.time_method)
-        if rank == 0:
+        if local_rank == 0:  # each node's host (one entry on one node)
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
         if feed is not None:
@@ -196,7 +201,9 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         result["error"] = {"message": f"{type(err).__name__}: {err}{low_disk_hint(stage_dir)}", "phase": phase,
                            "traceback": traceback.format_exc(limit=20)}
         if isinstance(err, CutShort):
-            result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0}
+            result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0,
+                                   # the kernel's parent-death signal: the node's torchrun agent died
+                                   "agent_ended": os.getppid() != _agent_pid}
             if loop is not None:
                 result.update(loop.partial())
         print(result["error"]["traceback"], file=sys.stderr)
@@ -259,9 +266,12 @@ def main(argv: list[str] | None = None) -> int:
     _watchdog = RankWatchdog(stall_path(args.stage_dir, int(os.environ.get("RANK", 0))), int(os.environ.get("RANK", 0)),
                              spec.launcher.stall_s)
     _watchdog.watch_parent()
-    result = run_rank(spec, args.stage, args.stage_dir, init, _watchdog)
+    link = NodeLink(spec.launcher.nnodes, spec.launcher.node, spec.launcher.stall_s)
+    result = run_rank(spec, args.stage, args.stage_dir, init, _watchdog, link)
     result["lifetime_s"] = time.time() - psutil.Process().create_time()
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # what was measured is written whatever arrives now
+    _watchdog.beat("the results of other nodes' ranks are gathered")
+    link.finish(result, args.stage_dir)
     write_json(os.path.join(args.stage_dir, f"rank{result['rank']}.json"), result)
     return 0
 
