@@ -36,7 +36,9 @@
 # (every block run) the records become results/examples/glm-base and results/examples/claims, the perf run
 # results/examples/perf-glm-base-sft, their reports are rebuilt by this checkout's code and the pending folders
 # removed. Each run's
-# closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache).
+# closing save is deleted (0.4-0.5 GB at glm-base; the prerequisite models stay in results/cache). Block P's
+# bench.perf runs, once all finished, are copied (records and perf.md) to results/pending/perf-glm-base-sft-<commit>/,
+# and a later session skips the block and gets them back from there.
 #
 # `bash scripts/glm_sweep.sh --dry-run` prints every cell the sweep would run, each checked by this checkout's
 # `bench.run --dry-run` (and bench.perf's), and writes nothing: no worktree, no pending copies, no examples.
@@ -107,6 +109,13 @@ for kind in glm-base claims; do
        -exec cp -n --parents {} "$here/results/sweeps/$kind-$commit/" \;)
   fi
 done
+# bench.perf's runs (block P) are kept the same way once all of them finished; a sweep resumed from pending/ gets
+# them back (what the curated perf example copies: its records and perf.md)
+perf_kept=$curated/pending/perf-glm-base-sft-$commit
+if [ "$dry" = 0 ] && [ -d "$perf_kept" ]; then
+  mkdir -p "results/perf/glm-base-sft-$commit" && (cd "$perf_kept" && find . -type f \
+    -exec cp -n --parents {} "$here/results/perf/glm-base-sft-$commit/" \;)
+fi
 common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
 all=dschat,colossalai,trlx,trl
 three=dschat,colossalai,trlx
@@ -163,9 +172,17 @@ for block in $blocks; do
           "tags=[forced-failure]" ;;
     F)  glm glm-large 2 framework=dschat stage=ppo steps=4 precision=bf16 zero=2 lora=0 seed=1
         glm glm-large 2 framework=colossalai,trlx stage=sft steps=4 precision=bf16 zero=2 lora=0 seed=1 ;;
-    P)  "$python" -m bench.perf $([ "$dry" = 1 ] && echo --dry-run) --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
-          precision=bf16 zero=2 lora=0 prompt_len=128 answer_len=128 batch=2 steps=4 warmup_steps=1 \
-          stage_steps.rm=5 ;;
+    P)  if [ "$dry" = 0 ] && [ -f "$perf_kept/perf.md" ]; then  # bench.perf has no resume: its finished rounds are kept
+          echo "block P: done in an earlier session (its records: $perf_kept)"
+        else
+          "$python" -m bench.perf $([ "$dry" = 1 ] && echo --dry-run) --rounds 3 --name "glm-base-sft-$commit" model=glm-base launcher.nproc=2 stage=sft \
+            precision=bf16 zero=2 lora=0 prompt_len=128 answer_len=128 batch=2 steps=4 warmup_steps=1 \
+            stage_steps.rm=5
+          if [ "$dry" = 0 ]; then
+            mkdir -p "$perf_kept" && (cd "results/perf/glm-base-sft-$commit" && find . \( -name record.json -o -name perf.md \) \
+              -exec cp --parents {} "$perf_kept/" \;)
+          fi
+        fi ;;
     K)  tiny framework=dschat stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=none reward.quant=none
         tiny framework=dschat stage=ppo steps=120 lora=0 seed=1,2,3 reference.quant=int8 reward.quant=int8 \
           quant_library=torchao ;;
@@ -193,4 +210,5 @@ if [ "$blocks" = "$all_blocks" ]; then  # the whole night is done: it becomes th
     -exec rm -rf {} +
   rm -rf "$perf" && mkdir -p "$perf"
   cp -r "results/perf/glm-base-sft-$commit/." "$perf/"
+  rm -rf "$perf_kept"
 fi
