@@ -51,6 +51,20 @@ class CutShort(BaseException):  # noqa: N818 -- not an error of the run: a signa
 
 _watchdog: RankWatchdog | None = None
 _agent_pid = os.getppid()  # torchrun's agent, this rank's parent
+AGENT_GONE_WAIT_S = 2.0
+
+
+def agent_ended(wait_s: float = AGENT_GONE_WAIT_S) -> bool:
+    """Whether the SIGTERM that cut this rank short was the kernel's parent-death signal. It is sent when the
+    thread that started the rank exits, which for a killed agent can be before the rest of its threads are gone
+    and the rank is handed to a new parent, so the answer waits up to `wait_s` for that hand-over (a live agent
+    stopping its ranks costs the wait, once)."""
+    deadline = time.monotonic() + wait_s
+    while os.getppid() == _agent_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def _raise_cut_short(signum: int, _frame) -> None:
@@ -203,7 +217,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         if isinstance(err, CutShort):
             result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0,
                                    # the kernel's parent-death signal: the node's torchrun agent died
-                                   "agent_ended": os.getppid() != _agent_pid}
+                                   "agent_ended": agent_ended()}
             if loop is not None:
                 result.update(loop.partial())
         print(result["error"]["traceback"], file=sys.stderr)
