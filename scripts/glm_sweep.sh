@@ -116,6 +116,42 @@ if [ "$dry" = 0 ] && [ -d "$perf_kept" ]; then
   mkdir -p "results/perf/glm-base-sft-$commit" && (cd "$perf_kept" && find . -type f \
     -exec cp -n --parents {} "$here/results/perf/glm-base-sft-$commit/" \;)
 fi
+# The host the runs come from. The records name their host, but a5a0ece258c5's records name it by CPU name, cores
+# and memory only, and two hosts of this workplace with one name differ in their matrix instructions (one has
+# AMX and AVX512-FP16, one neither). A sweep that spans sessions therefore keeps a log of the host each session
+# ran on (host-<commit>.log in pending/, then in the examples) and refuses a host other than the one it began
+# on: cells from two host types are not repeats of one thing. NEW_HOST=ok runs on anyway (the log says which
+# blocks ran where); use it only for blocks whose comparisons all run on the new host.
+host_fingerprint() {
+  local isa
+  isa=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx512_bf16|avx512_fp16|amx_bf16|amx_fp16|amx_int8' \
+        | paste -sd+ -)
+  awk -F': *' -v cpus="$(getconf _NPROCESSORS_ONLN)" -v isa="${isa:-no native 16-bit matrix ISA}" \
+    '/^model name/ && !n {n=$2} /^cpu family/ && !f {f=$2} /^model\t/ && !m {m=$2} /^stepping/ && !s {s=$2}
+     END {printf "%s (family %s model %s stepping %s) x %s, %s\n", n, f, m, s, cpus, isa}' /proc/cpuinfo
+}
+host_log=$curated/pending/host-$commit.log
+if [ "$dry" = 0 ]; then
+  here_host=$(host_fingerprint)
+  first_host=$([ -f "$host_log" ] && grep -m1 -oP '(?<=\thost: )[^\t]*' "$host_log" || true)
+  if [ -n "$first_host" ] && [ "$first_host" != "$here_host" ] && [ "${NEW_HOST:-}" != ok ]; then
+    echo "glm_sweep.sh: this host ($here_host) is not the one the sweep at $commit began on ($first_host;" \
+      "$host_log): its cells would not be repeats of the others. Run it there, start a sweep at a new commit," \
+      "or set NEW_HOST=ok for blocks whose comparisons all run here" >&2
+    exit 2
+  fi
+  records_before=$(find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
+                   -name record.json 2>/dev/null | wc -l)
+  # the session's line is written when it ends (a stopped session's too), with the runs it added
+  log_session() {
+    local now
+    now=$(find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
+          -name record.json 2>/dev/null | wc -l)
+    printf '%s\tblocks: %s (%s runs added)\thost: %s\tkernel: %s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" \
+      "${BLOCKS:-$all_blocks}" "$((now - records_before))" "$here_host" "$(uname -r)" >> "$host_log"
+  }
+  trap log_session EXIT
+fi
 common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
 all=dschat,colossalai,trlx,trl
 three=dschat,colossalai,trlx
@@ -155,7 +191,15 @@ for block in $blocks; do
         # through a slow path (fp16 GEMM 75x slower than fp32 on such a host, measured at glm-base's shapes): there
         # the fp16 cells would time an emulation, not the framework, and take hours, so they are left out and
         # the report finds no fp16 evidence from this host type
-        if grep -qwE 'avx512_fp16|amx_fp16' /proc/cpuinfo; then
+        # the choice is made once per sweep (fp16-cells in its pending folder) so that a resumed sweep runs the
+        # cells it began with
+        fp16_choice=$curated/pending/glm-base-$commit/fp16-cells
+        if [ "$dry" = 0 ] && [ ! -f "$fp16_choice" ]; then
+          mkdir -p "$(dirname "$fp16_choice")"
+          grep -qwE 'avx512_fp16|amx_fp16' /proc/cpuinfo && echo run > "$fp16_choice" || echo "left out" > "$fp16_choice"
+        fi
+        if { [ "$dry" = 1 ] && grep -qwE 'avx512_fp16|amx_fp16' /proc/cpuinfo; } \
+           || { [ "$dry" = 0 ] && [ "$(cat "$fp16_choice")" = run ]; }; then
           glm glm-base 2 framework=$two stage=sft steps=8 precision=fp16 zero=2 lora=0 seed=1,2,3
           glm glm-base 2 framework=$two stage=rm,ppo steps=8 precision=fp16 zero=2 lora=0 seed=1
         else
@@ -205,6 +249,9 @@ if [ "$blocks" = "$all_blocks" ]; then  # the whole night is done: it becomes th
     (cd "$curated/.." && "$python" -m bench.report "$example" --out "$example/report")
     rm -rf "$curated/pending/$kind-$commit"
   done
+  trap - EXIT && log_session
+  cp "$host_log" "$curated/examples/glm-base/hosts.log" && cp "$host_log" "$curated/examples/claims/hosts.log"
+  rm -f "$host_log"
   perf=$curated/examples/perf-glm-base-sft
   find "results/perf/glm-base-sft-$commit" -type d \( -name checkpoint -o -name checkpoints \) -prune \
     -exec rm -rf {} +

@@ -50,3 +50,39 @@ def test_the_runs_come_from_a_clean_worktree_of_the_named_commit(clone: Path) ->
     assert _git(tree, "status", "--porcelain") == ""  # what every record's environment.git will read: clean
     for sub in ("sweeps", "cache", "perf"):
         assert os.path.realpath(tree / "results" / sub) == str((clone / "results" / sub).resolve())
+
+
+def _host_lines(clone: Path, commit: str) -> list[str]:
+    return (clone / "results" / "pending" / f"host-{commit[:12]}.log").read_text().splitlines()
+
+
+def test_a_sweep_resumed_on_another_host_is_refused_unless_told(clone: Path) -> None:
+    """The log's first line names the host the sweep began on; this host's fingerprint is read off /proc/cpuinfo
+    (here by a second reader, Python), so a made-up first host must be refused and NEW_HOST=ok must be logged."""
+    commit = _git(clone, "rev-parse", "HEAD")
+    log = clone / "results" / "pending" / f"host-{commit[:12]}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("2026-01-01T00:00Z\tblocks: A2 (12 runs added)\thost: Imaginary CPU x 64, amx_fp16\tkernel: 1\n")
+    refused = _sweep(clone, COMMIT=commit)
+    assert refused.returncode == 2 and "is not the one the sweep" in refused.stderr, refused.stderr
+    assert "Imaginary CPU x 64" in refused.stderr and len(_host_lines(clone, commit)) == 1  # nothing logged
+    told = _sweep(clone, COMMIT=commit, NEW_HOST="ok")
+    assert "unknown block none" in told.stderr, told.stderr  # past the check, stopped after the set-up
+    second = _host_lines(clone, commit)[1].split("\t")
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    model_name = next(line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name"))
+    assert second[1] == "blocks: none (0 runs added)"
+    assert second[2].startswith(f"host: {model_name} (family ") and f"x {os.cpu_count()}, " in second[2]
+    flags = next(line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags"))
+    isa = [f for f in ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8") if f in flags]
+    assert second[2].endswith("+".join(isa) or "no native 16-bit matrix ISA")
+
+
+def test_a_sweep_on_the_host_it_began_on_goes_on(clone: Path) -> None:
+    commit = _git(clone, "rev-parse", "HEAD")
+    assert "unknown block none" in _sweep(clone, COMMIT=commit).stderr  # the first session: its host is logged
+    again = _sweep(clone, COMMIT=commit)
+    assert "unknown block none" in again.stderr and "is not the one" not in again.stderr
+    first, second = (line.split("\t")[2] for line in _host_lines(clone, commit))
+    assert first == second

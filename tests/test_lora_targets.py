@@ -217,7 +217,13 @@ def test_a15_rule_from_matched_pairs() -> None:
     # DS-Chat: qkv learns as well but trains more (unwrapped layers stay trainable) -> contradicted
     ds = [_row("dschat", "sft", t, None, s, 1.0, n, 1.0) for t, n in (("qkv", 900), ("all", 500)) for s in (1, 2)]
     verdict, evidence = lora_practice(ds, {}, _cells(ds))
-    assert verdict == CONTRADICTED and "trains more" in evidence
+    assert verdict == CONTRADICTED and "learns as well, trains more" in evidence
+    # qkv's loss 0.5-0.6 against 1.0-1.1: beyond the spread, in the better direction -> said as "better"
+    better = [_row("trlx", "sft", t, None, s, q, n, 32.0) for t, qs, n in (("qkv", (0.5, 0.6), 100),
+                                                                            ("all", (1.0, 1.1), 400))
+              for s, q in zip((1, 2), qs, strict=True)]
+    verdict, evidence = lora_practice(better, {}, _cells(better))
+    assert verdict == SUPPORTED and "learns better (supported)" in evidence
     # RM accuracy: alpha 8 (rank / 2) worse beyond the spread than the default -> contradicted
     rm = [_row("trlx", "rm", "qkv", a, s, q, 100, 32.0 if a is None else 8.0)
           for a, qs in ((None, (0.9, 0.95)), (8, (0.6, 0.7))) for s, q in zip((1, 2), qs, strict=True)]

@@ -4,8 +4,10 @@ here with git, the diff's hash computed a second way, and the host's figures rea
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 from bench.measure.environment import LIBRARIES, MATRIX_FLAGS, environment, git_commit, git_state, host
@@ -34,6 +36,36 @@ def test_a_clean_and_a_dirty_checkout_are_told_apart_by_commit_and_diff_hash(tmp
     (repo / "a.py").write_text("x = 3\n")
     assert git_state(repo)["diff_sha256"] != state["diff_sha256"]  # another change, another hash
     assert git_state(tmp_path / "not-a-repo") is None
+
+
+def test_a_large_diff_is_hashed_without_holding_it_in_memory(tmp_path):
+    """A 45 MB diff: its hash equals hashlib's over the bytes `git diff HEAD` prints (read a second way), and
+    the process hashing it peaks within 16 MiB of where it started (the kernel's high-water mark, reset first),
+    where holding the diff whole, as text and bytes, took three times its size."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    lines = "".join(f"line {i:08d} {'x' * 40}\n" for i in range(800_000))  # 44 MB
+    (repo / "big.txt").write_text(lines)
+    _git(repo, "add", "big.txt")
+    _git(repo, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "one")
+    (repo / "big.txt").unlink()  # the whole file, deleted: a 45 MB diff
+    diff = subprocess.run(["git", "-C", str(repo), "diff", "HEAD"], check=True, capture_output=True).stdout
+    assert len(diff) > 40e6
+    probe = ("import json, sys\n"
+             "from pathlib import Path\n"
+             "from bench.measure.environment import git_state\n"
+             "def kib(key):\n"
+             "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(key))\n"
+             "open('/proc/self/clear_refs', 'w').write('5')\n"
+             "before = kib('VmRSS')\n"
+             "state = git_state(Path(sys.argv[1]))\n"
+             "print(json.dumps({'state': state, 'growth_kib': kib('VmHWM') - before}))\n")
+    done = subprocess.run([sys.executable, "-c", probe, str(repo)], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parents[1])
+    out = json.loads(done.stdout)
+    assert out["state"]["diff_sha256"] == hashlib.sha256(diff).hexdigest() and out["state"]["dirty"] is True
+    assert out["growth_kib"] < 16 * 1024, out
 
 
 def test_the_host_and_every_library_a_run_may_import_are_recorded():

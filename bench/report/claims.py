@@ -440,16 +440,19 @@ LORA_QUALITY = {"sft": ("loss_end_mean", False, "final training loss"), "rm": ("
 PRACTICE_RANKS = range(8, 33)  # A15: rank 8-32
 
 
-def _learns_as_well(matched, column: str, higher: bool, claimed: Any, other: Any) -> bool:
+def _learns(matched, column: str, higher: bool, claimed: Any, other: Any) -> str:
+    """How the claimed setting learns against the other: "as well" (ranges touch: a tie), "better" or "worse"."""
     stats = matched.stats(column)
     a, b = stats[claimed], stats[other]
-    return tied(a, b) or (a.median > b.median if higher else a.median < b.median)
+    if tied(a, b):
+        return "as well"
+    return "better" if (a.median > b.median if higher else a.median < b.median) else "worse"
 
 
 def lora_practice(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     """A15, from cells at a LoRA rank of 8-32 that differ only in lora_targets (qkv against each other set) or
     only in lora_alpha (rank / 2 against each other value, null = the framework's default), on each stage's
-    quality figure (LORA_QUALITY). Targets: supported where q/k/v alone learns as well (ranges touch, or better)
+    quality figure (LORA_QUALITY). Targets: supported where q/k/v alone learns as well (ranges touch) or better
     with no more trainable parameters, contradicted where it learns worse beyond the spread or trains more
     (DS-Chat freezes only the weights it wraps). Alpha: supported where rank / 2 learns as well. A pair whose
     engines applied the same alpha (coati's linear layers keep 32) is shown, not counted. The rank range itself
@@ -464,15 +467,15 @@ def lora_practice(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]
             for other in [v for v in matched.by_value if v != "qkv"]:
                 if quality["qkv"].median is None or quality[other].median is None:
                     continue
-                as_well = _learns_as_well(matched, column, higher, "qkv", other)
+                learns = _learns(matched, column, higher, "qkv", other)
                 more = (trained["qkv"].median or 0) > (trained[other].median or 0)
-                outcomes.append(SUPPORTED if as_well and not more else CONTRADICTED)
+                outcomes.append(SUPPORTED if learns != "worse" and not more else CONTRADICTED)
                 layers = {v: runs[0].get("lora_layers") for v, runs in matched.by_value.items()}
                 parts.append(
                     f"[{stage} {matched.fixed}] targets qkv vs {other} (adapted: {layers['qkv']} vs "
                     f"{layers[other]}): {words} {quality['qkv'].fmt(1.0, 3)} vs {quality[other].fmt(1.0, 3)}, "
                     f"trainable parameters {trained['qkv'].fmt(1.0, 0)} vs {trained[other].fmt(1.0, 0)}: "
-                    + ("learns as well" if as_well else "learns worse") + (", trains more" if more else "")
+                    + f"learns {learns}" + (", trains more" if more else "")
                     + f" ({outcomes[-1]})")
         for matched in matched_sets(rows, cells, "lora_alpha", stage):
             rank = next(iter(matched.by_value.values()))[0]["lora"]
@@ -489,9 +492,9 @@ def lora_practice(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]
                 if applied[rank / 2].median == applied[other].median:
                     parts.append(text + " (the engines applied one alpha to both: not counted)")
                     continue
-                as_well = _learns_as_well(matched, column, higher, rank / 2, other)
-                outcomes.append(SUPPORTED if as_well else CONTRADICTED)
-                parts.append(text + (": learns as well" if as_well else ": learns worse") + f" ({outcomes[-1]})")
+                learns = _learns(matched, column, higher, rank / 2, other)
+                outcomes.append(SUPPORTED if learns != "worse" else CONTRADICTED)
+                parts.append(text + f": learns {learns} ({outcomes[-1]})")
     if not outcomes:
         return NOT_MEASURED, ("needs ok runs at a LoRA rank of 8-32 that differ only in lora_targets (qkv and "
                               "another set) or in lora_alpha (rank / 2 and another value) (scripts/glm_sweep.sh, "

@@ -273,6 +273,9 @@ def memory_breakdown(rows: Rows, cells: Cells, directory: str) -> list[Figure]:
     return figures
 
 
+TIMELINE_STEPS = 10  # more steps than this leave no room to read a phase: the first ones are drawn
+
+
 def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str
                         ) -> list[Figure]:
     """Per-step, per-phase peak of one ok PPO run per framework at one shared configuration, aligned by phase."""
@@ -284,19 +287,21 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     phases = [p for p in PHASE_ORDER if any(s["phase"] == p for r in chosen
                                             for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])]
     fig, ax = plt.subplots(figsize=(9, 3.8))
+    ran = 1 + max(s["step"] for r in chosen for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])
+    steps = min(ran, TIMELINE_STEPS)
     for framework in sorted({r["framework"] for r in chosen}):
         run = next(r["run"] for r in chosen if r["framework"] == framework)
         timeline = records[run]["stages"]["ppo"]["memory"]["timeline"]
         points = sorted((s["step"] * len(phases) + phases.index(s["phase"]), s["peak_bytes"] / MIB) for s in timeline
-                        if s["peak_bytes"] is not None)
+                        if s["peak_bytes"] is not None and s["step"] < steps)
         ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=framework)
-    steps = 1 + max(s["step"] for r in chosen for s in records[r["run"]]["stages"]["ppo"]["memory"]["timeline"])
     # the first step's ticks name its phases in full (rotated to fit); the later steps repeat the order
     ax.set_xticks(range(steps * len(phases)), [phases[i % len(phases)] if i // len(phases) == 0 else ""
                                                for i in range(steps * len(phases))], fontsize=6, rotation=60)
     for step in range(1, steps):
         ax.axvline(step * len(phases) - 0.5, color="grey", linewidth=0.4)
-    ax.set_xlabel(f"PPO steps (grey lines), each split into its phases: {', '.join(phases)}")
+    shown = f"the first {steps} of {ran} PPO steps" if ran > steps else "PPO steps"
+    ax.set_xlabel(f"{shown} (grey lines), each split into its phases: {', '.join(phases)}")
     ax.set_ylabel("phase peak MiB (max over ranks)", fontsize=8)
     ax.set_ylim(bottom=0)
     _title(ax, f"model={config[0]} {config[1]} zero={config[2]} lora={config[3]} batch={config[4]} x{config[5]} "
@@ -304,7 +309,8 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     return [Figure(_save(fig, directory, "ppo_memory_timeline"),
                    "PPO memory over time, one run per framework at one shared configuration: each step's phases in "
-                   "the same slots for every framework, so a phase compares across frameworks; value = the phase's "
+                   "the same slots for every framework, so a phase compares across frameworks (at most the first "
+                   f"{TIMELINE_STEPS} steps); value = the phase's "
                    "absolute peak (MiB, max over ranks), y from 0. A phase with no point was not measured in that "
                    "step: it started above its own floor and the heap was not handed back first, so it records only "
                    "an upper bound (memory_release_every: the first two runs of a phase and at least one in every "
@@ -322,8 +328,11 @@ def _cell_labels(cells: Cells, ids: list[str]) -> dict[str, str]:
     keys (its id where it has none of them)."""
     keys = sorted({k for c in ids for k in cells[c]} - {"stage_row"})
     differing = [k for k in keys if len({json.dumps(cells[c].get(k), default=str) for c in ids}) > 1]
-    return {c: " ".join(f"{k.split('.')[-1]}={cells[c].get(k)}" for k in differing or MAIN_KEYS if k in cells[c])
-            or c for c in ids}
+    shown = differing or list(MAIN_KEYS)
+    last = [k.split(".")[-1] for k in shown]
+    # a key by its last part where that is unambiguous (reference.quant and reward.quant are not)
+    name = {k: k.split(".")[-1] if last.count(k.split(".")[-1]) == 1 else k for k in shown}
+    return {c: " ".join(f"{name[k]}={cells[c].get(k)}" for k in shown if k in cells[c]) or c for c in ids}
 
 
 def _curve_panels(panels: Curves, ylabel: str, xlabel: str, directory: str, name: str) -> str:

@@ -59,6 +59,10 @@ def of(record: dict[str, Any]) -> Provenance:
         host_type = f"{env['cpu']} x {env.get('cpu_count')}" + (f", {memory / 2**30:.0f} GiB" if memory else "")
     else:
         host_type = None
+    if host_type and not (isinstance(host, dict) and "matrix_isa" in host):
+        # two CPUs of one name can differ in their 16-bit matrix instructions (and time alike only with the same
+        # ones): a record from before environment.host.matrix_isa cannot say which it had
+        host_type += ", matrix ISA not recorded"
     gpu = env.get("gpu")
     if isinstance(gpu, dict) and gpu.get("name"):
         host_type = f"{host_type}; {gpu.get('count', 1)} x {gpu['name']}"
