@@ -140,13 +140,15 @@ if [ "$dry" = 0 ]; then
       "or set NEW_HOST=ok for blocks whose comparisons all run here" >&2
     exit 2
   fi
-  records_before=$(find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
-                   -name record.json 2>/dev/null | wc -l)
+  count_records() {  # folders a sweep has not made yet count none (find's error is not the sweep's)
+    { find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
+        -name record.json 2>/dev/null || true; } | wc -l
+  }
+  records_before=$(count_records)
   # the session's line is written when it ends (a stopped session's too), with the runs it added
   log_session() {
     local now
-    now=$(find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
-          -name record.json 2>/dev/null | wc -l)
+    now=$(count_records)
     printf '%s\tblocks: %s (%s runs added)\thost: %s\tkernel: %s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" \
       "${BLOCKS:-$all_blocks}" "$((now - records_before))" "$here_host" "$(uname -r)" >> "$host_log"
   }

@@ -92,3 +92,15 @@ def test_an_fp16_run_on_a_cpu_without_native_fp16_says_its_times_are_an_emulatio
     native = "avx512_fp16" in listed or "amx_fp16" in listed
     assert (emulated_fp16("fp16", "cpu") is None) == native
     assert emulated_fp16("bf16", "cpu") is None and emulated_fp16("fp16", "cuda") is None
+
+
+def test_a_host_type_says_when_its_matrix_instructions_were_not_recorded():
+    from bench.results.provenance import of
+
+    named = {"environment": {"host": {"type": "cpu A x 2, 24 GiB, amx_bf16", "matrix_isa": ["amx_bf16"]}}}
+    older = {"environment": {"host": {"type": "cpu A x 2, 24 GiB"}}}
+    oldest = {"environment": {"cpu": "cpu A", "cpu_count": 2, "host_memory_bytes": 24 * 2**30}}
+    assert of(named).host_type == "cpu A x 2, 24 GiB, amx_bf16"
+    assert of(older).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded"
+    assert of(oldest).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded"
+    assert of({"environment": {}}).host_type is None

@@ -139,7 +139,9 @@ def test_clean_repeats_at_one_commit_are_not_flagged_and_the_environment_counts_
     assert not any(r["mixed"] for r in c.rows)
     assert "provenance" not in memory_table(c.rows, c.cells).header
     (env,) = environment_tables(c)
-    assert ["code", "aaaaaaaaaa", "6"] in env.rows and ["host", "cpu A x 2; device cpu", "6"] in env.rows
+    # these hand-made hosts name no matrix instructions, as records from before environment.host.matrix_isa
+    assert ["code", "aaaaaaaaaa", "6"] in env.rows
+    assert ["host", "cpu A x 2, matrix ISA not recorded; device cpu", "6"] in env.rows
     assert "1 code version(s) (0 run(s) from a dirty tree)" in env.caption
 
 
@@ -185,7 +187,8 @@ def test_a_framework_the_sweep_did_not_run_in_a_branch_is_not_said_unable_to(tmp
 
 def test_the_tree_states_its_hardware_and_asks_for_ranks_on_a_cpu_host(tmp_path):
     tree = decision.build(_collect(tmp_path, _three("dschat", 5.0)).rows)
-    assert tree.question.startswith("Evidence from device cpu on test cpu x 2; memory: host RSS")
+    assert tree.question.startswith("Evidence from device cpu on test cpu x 2, matrix ISA not recorded; memory: "
+                                    "host RSS")
     (_, ranks), = tree.branches
     assert ranks.question == "How many ranks on this CPU host (processes, not GPUs)?"
 
