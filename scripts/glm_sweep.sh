@@ -123,9 +123,11 @@ fi
 # on: cells from two host types are not repeats of one thing. NEW_HOST=ok runs on anyway (the log says which
 # blocks ran where); use it only for blocks whose comparisons all run on the new host.
 host_fingerprint() {
-  local isa
-  isa=$(grep -m1 '^flags' /proc/cpuinfo | tr ' ' '\n' | grep -xE 'avx512_bf16|avx512_fp16|amx_bf16|amx_fp16|amx_int8' \
-        | paste -sd+ -)
+  local isa="" flags flag
+  flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
+  for flag in avx512_bf16 avx512_fp16 amx_bf16 amx_fp16 amx_int8; do  # environment.MATRIX_FLAGS's order
+    [[ $flags == *" $flag "* ]] && isa=${isa:+$isa+}$flag
+  done
   awk -F': *' -v cpus="$(getconf _NPROCESSORS_ONLN)" -v isa="${isa:-no native 16-bit matrix ISA}" \
     '/^model name/ && !n {n=$2} /^cpu family/ && !f {f=$2} /^model\t/ && !m {m=$2} /^stepping/ && !s {s=$2}
      END {printf "%s (family %s model %s stepping %s) x %s, %s\n", n, f, m, s, cpus, isa}' /proc/cpuinfo
