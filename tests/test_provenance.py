@@ -99,8 +99,10 @@ def test_a_host_type_says_when_its_matrix_instructions_were_not_recorded():
 
     named = {"environment": {"host": {"type": "cpu A x 2, 24 GiB, amx_bf16", "matrix_isa": ["amx_bf16"]}}}
     older = {"environment": {"host": {"type": "cpu A x 2, 24 GiB"}}}
+    kernel = {"environment": {"host": {"type": "cpu A x 2, 24 GiB", "kernel": "6.1-a"}}}
     oldest = {"environment": {"cpu": "cpu A", "cpu_count": 2, "host_memory_bytes": 24 * 2**30}}
     assert of(named).host_type == "cpu A x 2, 24 GiB, amx_bf16"
     assert of(older).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded"
+    assert of(kernel).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded, kernel 6.1-a"
     assert of(oldest).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded"
     assert of({"environment": {}}).host_type is None

@@ -61,8 +61,10 @@ def of(record: dict[str, Any]) -> Provenance:
         host_type = None
     if host_type and not (isinstance(host, dict) and "matrix_isa" in host):
         # two CPUs of one name can differ in their 16-bit matrix instructions (and time alike only with the same
-        # ones): a record from before environment.host.matrix_isa cannot say which it had
-        host_type += ", matrix ISA not recorded"
+        # ones): a record from before environment.host.matrix_isa cannot say which it had, and its kernel build
+        # is what tells such machines apart (this workplace's two kinds of 2-core VM ran different builds)
+        kernel = host.get("kernel") if isinstance(host, dict) else None
+        host_type += ", matrix ISA not recorded" + (f", kernel {kernel}" if kernel else "")
     gpu = env.get("gpu")
     if isinstance(gpu, dict) and gpu.get("name"):
         host_type = f"{host_type}; {gpu.get('count', 1)} x {gpu['name']}"
