@@ -180,6 +180,7 @@ def test_zero3_on_two_ranks_halves_parameter_and_optimizer_memory_per_rank(run_b
     assert two["environment"]["world_size"] == 2
 
 
+@pytest.mark.slow  # CI's DS-Chat ZeRO-3 PPO on 2 ranks is tests/test_plan_run.py's plan run (the same checks)
 def test_two_rank_ppo_zero3_generates_in_lockstep(run_bench):
     record = run_bench("zero=3", "precision=bf16", "steps=3", "warmup_steps=1", "launcher.nproc=2", TORCH_ADAMW)
     ppo = record["stages"]["ppo"]

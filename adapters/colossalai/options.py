@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from bench.run.plan_run import PlanKnobs, refuse, same_for, uniform_knobs
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -181,6 +182,19 @@ class ColossalOptions:
             raise UnsupportedError(f"no colossalai plugin for zero={spec.zero} precision={spec.precision} "
                                    f"offload={spec.offload} (framework.auto_plugin has no {key!r})")
         return self.auto_plugin[key]
+
+    @classmethod
+    def plan_knobs(cls, layouts: dict[str, Any]) -> PlanKnobs:
+        """ColossalChat's train_ppo.py boosts all four models with one plugin (the critic's and reward's differ
+        only in their shard policy): one tp, pp, ZeRO stage and offload for every role, the frozen models
+        partitioned only under ZeRO-3 (Gemini); --grad_checkpoint covers actor and critic alike."""
+        for role in ("actor", "critic", "reference", "reward"):
+            if layouts[role].generation_tp:
+                raise refuse("colossalai", role, "generation_tp", layouts[role].generation_tp,
+                             "ColossalChat generates on the training layout")
+        same_for("colossalai", layouts, ("actor", "critic", "reference", "reward"), ("tp", "pp"),
+                 "one plugin boosts every model")
+        return uniform_knobs("colossalai", layouts, "one plugin boosts every model")
 
     @classmethod
     def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:

@@ -90,8 +90,11 @@ class DSChatAdapter(Engines, ExperienceMaker, Update, Adapter):
         # the trained engines: actor and critic in step 3, the one engine of steps 1 and 2 (the eval engines keep
         # a clipping setting too, and DS-Chat leaves their parameters requiring gradients)
         roles = ("actor", "critic") if "critic" in self.engines else tuple(self.engines)
+        # every DeepSpeed engine's ZeRO stage as the engine reports it (a quantized role has none: outside DeepSpeed)
+        stages = {role: int(engine.zero_optimization_stage()) for role, engine in self.engines.items()
+                  if hasattr(engine, "zero_optimization_stage")}
         return {"grad_clip": {role: float(self.engines[role].gradient_clipping()) for role in roles},
-                **deepspeed_comm_knobs({role: self.engines[role] for role in roles})}
+                "zero_stage": stages, **deepspeed_comm_knobs({role: self.engines[role] for role in roles})}
 
     def accumulation(self) -> dict[str, dict[str, int]]:
         """DeepSpeed's own counts: micro-batches run and optimizer steps taken by each trained engine."""

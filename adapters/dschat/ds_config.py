@@ -25,10 +25,13 @@ def _batch(spec: RunSpec, world_size: int) -> dict[str, Any]:
 
 
 def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap_comm: bool,
-                 hybrid_engine: bool = False, comm: dict[str, Any] | None = None) -> dict[str, Any]:
-    """get_train_ds_config: the actor / critic / SFT / RM engines; `comm`: the ds.* knobs set."""
+                 hybrid_engine: bool = False, comm: dict[str, Any] | None = None, stage: int | None = None
+                 ) -> dict[str, Any]:
+    """get_train_ds_config: the actor / critic / SFT / RM engines; `comm`: the ds.* knobs set; `stage`: the
+    engine's ZeRO stage where it is not `zero` (the critic's --critic_zero_stage)."""
+    stage = spec.zero if stage is None else stage
     zero: dict[str, Any] = {
-        "stage": spec.zero,
+        "stage": stage,
         "overlap_comm": overlap_comm,
         "stage3_param_persistence_threshold": 1e4,
         "stage3_max_live_parameters": 3e7,
@@ -38,7 +41,7 @@ def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap
     zero.update(comm or {})
     if spec.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-        if spec.zero == 3:  # DeepSpeed honours parameter offload only at stage 3
+        if stage == 3:  # DeepSpeed honours parameter offload only at stage 3
             zero["offload_param"] = {"device": "cpu"}
     config: dict[str, Any] = {
         **_batch(spec, world_size),
@@ -64,9 +67,11 @@ def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap
     return config
 
 
-def eval_config(spec: RunSpec, options: DSChatOptions, world_size: int) -> dict[str, Any]:
-    """get_eval_ds_config: reference and reward follow ZeRO-3 only when actor/critic use it."""
-    stage = 3 if spec.zero == 3 else 0
+def eval_config(spec: RunSpec, options: DSChatOptions, world_size: int, trained_stage: int | None = None
+                ) -> dict[str, Any]:
+    """get_eval_ds_config: the reference follows the actor into ZeRO-3 and the reward the critic (rlhf_engine.py:
+    stage 3 only when the trained one's is 3, else 0); `trained_stage`: that one's stage where it is not `zero`."""
+    stage = 3 if (spec.zero if trained_stage is None else trained_stage) == 3 else 0
     return {
         **_batch(spec, world_size),
         "steps_per_print": 10**9,

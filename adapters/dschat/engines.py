@@ -138,11 +138,11 @@ class Engines:
 
         return FusedAdam(groups, lr=lr, betas=betas)
 
-    def _train_config(self, hybrid_engine: bool = False) -> dict[str, Any]:
+    def _train_config(self, hybrid_engine: bool = False, stage: int | None = None) -> dict[str, Any]:
         # upstream's get_train_ds_config always overlaps (it runs on GPUs); a device without streams cannot
         overlap = self.ctx.device.type == "cuda"
         return ds_config.train_config(self.spec, self.options, self.ctx.world_size, overlap, hybrid_engine,
-                                      deepspeed_comm(self.spec, self.ctx.device))
+                                      deepspeed_comm(self.spec, self.ctx.device), stage)
 
     def _train_engine(self, model: torch.nn.Module, lr: float, config: dict[str, Any], grad_ckpt: bool,
                       stage: str):
@@ -162,8 +162,7 @@ class Engines:
         if fp16_zero0.affected(self.engines[role]):
             self._unscaled[role] = fp16_zero0.ClipWatch(self.engines[role].optimizer)
 
-    def _eval_engine(self, model: torch.nn.Module):
-        config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size)
+    def _eval_engine(self, model: torch.nn.Module, config: dict[str, Any]):
         engine, *_ = self.ds.initialize(model=model, config=config)
         engine.eval()
         return engine
@@ -227,25 +226,28 @@ class Engines:
             where = "" if self.ctx.device.type == "cuda" else " (CPU: DeepSpeed implements no inference ops)"
             self._notes.append(f"hybrid engine: {containers} inference containers, {kernels}{where}")
 
-        eval_config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size)
+        ref_config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size)
         if self.spec.reference.quant != "none":
             self.engines["ref"] = self._quantized("ref", self._build_lm(_UNSHARDED, init.get("sft")))
         else:
-            self.engines["ref"] = self._eval_engine(self._build_lm(eval_config, init.get("sft")))
+            self.engines["ref"] = self._eval_engine(self._build_lm(ref_config, init.get("sft")), ref_config)
 
-        critic_config = self._train_config()
+        critic_stage = self.options.critic_stage(self.spec.zero)
+        critic_config = self._train_config(stage=critic_stage)
+        reward_config = ds_config.eval_config(self.spec, self.options, self.ctx.world_size, critic_stage)
         critic = self._build_reward_model(critic_config, init.get("rm"), self.options.critic_dropout)
         self._apply_lora(critic, critic_config, self.options.critic_lora_dim, ())
         # DS-Chat enables critic checkpointing once, at init.
         self.engines["critic"] = self._train_engine(
-            critic, self.spec.stage_lr("critic"), critic_config, self.spec.grad_ckpt, "ppo"
+            critic, self.spec.stage_lr("critic"), critic_config,
+            self.options.critic_checkpointing(self.spec.grad_ckpt), "ppo"
         )
         if self.spec.reward.quant != "none":
             reward = self._build_reward_model(_UNSHARDED, init.get("rm"), self.options.critic_dropout)
             self.engines["reward"] = self._quantized("reward", reward)
         else:
-            reward = self._build_reward_model(eval_config, init.get("rm"), self.options.critic_dropout)
-            self.engines["reward"] = self._eval_engine(reward)
+            reward = self._build_reward_model(reward_config, init.get("rm"), self.options.critic_dropout)
+            self.engines["reward"] = self._eval_engine(reward, reward_config)
         if not init.get("sft"):
             self._notes.append("actor and reference start from random base weights (no SFT checkpoint)")
         if self.spec.model.arch == "llama" and self.options.ppo.do_sample:

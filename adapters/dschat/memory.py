@@ -12,6 +12,8 @@ map keeps its input for a gradient whatever the targets.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from adapters.deepspeed_memory import (
     eager_gradient_bytes,
     engine_build,
@@ -48,9 +50,15 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
 
 def predict(shape: RunShape) -> dict[str, Terms]:
     vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
-    shard = dp if zero >= 3 else 1
+    # the critic's own stage (--critic_zero_stage) and recomputation; reference and reward engines follow the
+    # actor's and the critic's into ZeRO-3
+    critic_option = shape.options.get("critic_zero_stage")
+    stages = {"actor": zero, "critic": zero if critic_option is None else critic_option}
+    stages.update(ref=stages["actor"], reward=stages["critic"])
+    critic_ckpt = shape.options.get("critic_gradient_checkpointing")
+    critic_shape = shape if critic_ckpt is None else replace(shape, grad_ckpt=critic_ckpt)
 
-    def trained(role: str, lora: int) -> tuple[Terms, Terms, Terms, Terms]:
+    def trained(role: str, lora: int, zero: int = zero) -> tuple[Terms, Terms, Terms, Terms]:
         """(state, gradients at the end of a backward, its engine's peak while built, what it holds after)."""
         params, trainable = role_params(shape, role, lora)
         state = role_state(params, trainable, vb, zero, dp, master=True)
@@ -82,19 +90,21 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         return phases
 
     actor, actor_grads, actor_during, actor_after = trained("actor", shape.lora)
-    critic, critic_grads, critic_during, critic_after = trained("critic", shape.options.get("critic_lora_dim", 0))
+    critic, critic_grads, critic_during, critic_after = trained("critic", shape.options.get("critic_lora_dim", 0),
+                                                                stages["critic"])
     frozen_params = {role: role_params(shape, role, 0)[0] for role in ("ref", "reward")}
-    frozen_after = {role: frozen_role(shape, role, p, vb, shard) for role, p in frozen_params.items()}
+    frozen_after = {role: frozen_role(shape, role, p, vb, dp if stages[role] >= 3 else 1)
+                    for role, p in frozen_params.items()}
     resident = actor + critic + frozen_after["ref"] + frozen_after["reward"]
     eager = Terms(grads=eager_gradient_bytes(role_params(shape, "actor", shape.lora)[1], shape.precision, zero)
-                  + eager_gradient_bytes(role_params(shape, "critic", 0)[1], shape.precision, zero))
+                  + eager_gradient_bytes(role_params(shape, "critic", 0)[1], shape.precision, stages["critic"]))
     # engines are built one after another (actor, reference, critic, reward): each one's build on top of
     # what the ones before it keep; outside zero.Init (ZeRO < 3, or a quantized role) a frozen model is also
     # built whole in fp32 first
     quant = dict(shape.quant)
 
     def build(role: str) -> Terms:
-        whole = zero < 3 or quant.get(role, "none") != "none"
+        whole = stages[role] < 3 or quant.get(role, "none") != "none"
         return build_transient(shape, frozen_params[role]) if whole else frozen_after[role]
 
     init = peak(
@@ -108,12 +118,13 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     # the update: actor loss and backward (log-softmax over its logits in the model's dtype), then the critic's
     actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4,
                                                 dropout=bool(shape.options.get("actor_dropout")))
-    critic_pass = critic_grads + forward_backward(shape, shape.batch, seq, dropout=critic_dropout)
+    critic_pass = critic_grads + forward_backward(critic_shape, shape.batch, seq, dropout=critic_dropout)
     heavier = actor_pass if actor_pass.device >= critic_pass.device else critic_pass
     # grad_accum > 1: each rollout's update runs before the next rollout, so the accumulated gradients of both
     # trained engines stay through the next generation and experience making
     trained = (("actor", shape.lora), ("critic", shape.options.get("critic_lora_dim", 0)))
-    held = Terms(grads=sum(held_gradient_bytes(role_params(shape, role, rank)[1], vb, zero, dp, shape.precision)
+    held = Terms(grads=sum(held_gradient_bytes(role_params(shape, role, rank)[1], vb, stages[role], dp,
+                                               shape.precision)
                            for role, rank in trained)) if shape.grad_accum > 1 else Terms()
     return {
         "init": init,

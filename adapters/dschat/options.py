@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 from adapters.lora_targets import suffixes
 from bench.run.families import family
+from bench.run.plan_run import PlanKnobs, data_parallel_only, frozen_follow, same_for
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -63,7 +64,8 @@ class DSChatOptions:
     #: Options the prerequisite reward model (fp32, ZeRO-0, no LoRA) never reads: not part of its cache key.
     prerequisite_ignores: ClassVar[tuple[str, ...]] = (
         "ppo", "hybrid_engine", "lora_module_name", "lora_lr", "only_optimize_lora", "fp16_loss_scale_window",
-        "fix_fp16_zero0_loss_scale", "compute_fp32_loss", "actor_dropout", "critic_dropout", "critic_lora_dim")
+        "fix_fp16_zero0_loss_scale", "compute_fp32_loss", "actor_dropout", "critic_dropout", "critic_lora_dim",
+        "critic_zero_stage", "critic_gradient_checkpointing")
     optimizer: str = "fused_adam"
     hybrid_engine: bool = False
     weight_decay: float = 0.0
@@ -74,6 +76,8 @@ class DSChatOptions:
     lora_lr: float = 5e-4
     only_optimize_lora: bool = False
     critic_lora_dim: int = 0
+    critic_zero_stage: int | None = None  # --critic_zero_stage; null: `zero` (as --actor_zero_stage)
+    critic_gradient_checkpointing: bool | None = None  # --critic_gradient_checkpointing; null: `grad_ckpt`
     actor_dropout: float | None = 0.0
     critic_dropout: float | None = None
     compute_fp32_loss: bool = False
@@ -81,6 +85,13 @@ class DSChatOptions:
     lr_scheduler_type: str = "cosine"
     num_warmup_steps: dict[str, int | None] = field(default_factory=lambda: {"sft": 0, "rm": 0, "ppo": None})
     ppo: PPOOptions = field(default_factory=PPOOptions)
+
+    def critic_stage(self, zero: int) -> int:
+        """The critic's ZeRO stage (upstream's reward engine follows it into ZeRO-3, as the reference the actor)."""
+        return zero if self.critic_zero_stage is None else self.critic_zero_stage
+
+    def critic_checkpointing(self, grad_ckpt: bool) -> bool:
+        return grad_ckpt if self.critic_gradient_checkpointing is None else self.critic_gradient_checkpointing
 
     def module_name(self, arch: str) -> str:
         """--*_lora_module_name: the option, else the family's block list as the scripts pass it."""
@@ -110,6 +121,12 @@ class DSChatOptions:
         if isinstance(options.critic_lora_dim, bool) or not isinstance(options.critic_lora_dim, int) \
                 or options.critic_lora_dim < 0:
             raise SpecError(f"framework.critic_lora_dim={options.critic_lora_dim!r} must be an integer >= 0")
+        stage = options.critic_zero_stage
+        if stage is not None and (isinstance(stage, bool) or stage not in (0, 1, 2, 3)):
+            raise SpecError(f"framework.critic_zero_stage={stage!r}: allowed null (the run's zero), 0, 1, 2 or 3")
+        if options.critic_gradient_checkpointing not in (None, True, False):
+            raise SpecError(f"framework.critic_gradient_checkpointing={options.critic_gradient_checkpointing!r}: "
+                            "allowed null (the run's grad_ckpt), true or false")
         for name in ("actor_dropout", "critic_dropout"):
             value = getattr(options, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -127,6 +144,30 @@ class DSChatOptions:
         if options.ppo.ppo_epochs < 1:
             raise SpecError(f"framework.ppo.ppo_epochs={options.ppo.ppo_epochs} must be >= 1")
         return options
+
+    @classmethod
+    def plan_knobs(cls, layouts: dict[str, Any]) -> PlanKnobs:
+        """An execution plan's layouts as DS-Chat's step-3 flags (rlhf_engine.py): --actor_zero_stage and
+        --critic_zero_stage apart, the reference and reward engines following them into ZeRO-3 (else 0), one
+        --offload for both trained models, gradient checkpointing per trained model; no training TP or PP, and
+        every engine spans every GPU."""
+        data_parallel_only("dschat", layouts, "DS-Chat trains without tensor or pipeline parallelism (its only TP "
+                           "is the Hybrid Engine's inference TP, which the harness runs at 1)")
+        same_for("dschat", layouts, ("actor", "critic"), ("offload",), "DS-Chat's --offload covers actor and critic")
+        frozen_follow("dschat", layouts, {"reference": "actor", "reward": "critic"}, "DS-Chat's eval engines "
+                      "follow the trained ones")
+        actor, critic = layouts["actor"], layouts["critic"]
+        common = {"zero": actor.zero, "offload": actor.offload, "grad_ckpt": actor.recompute,
+                  "framework.critic_zero_stage": critic.zero,
+                  "framework.critic_gradient_checkpointing": critic.recompute}
+        return PlanKnobs(common, {
+            "actor": {"zero (--actor_zero_stage)": actor.zero, "grad_ckpt (--actor_gradient_checkpointing)":
+                      actor.recompute, "offload (--offload)": actor.offload},
+            "critic": {"framework.critic_zero_stage (--critic_zero_stage)": critic.zero,
+                       "framework.critic_gradient_checkpointing (--critic_gradient_checkpointing)": critic.recompute,
+                       "offload (--offload)": critic.offload},
+            "reference": {"ZeRO stage (follows the actor's)": layouts["reference"].zero},
+            "reward": {"ZeRO stage (follows the critic's)": layouts["reward"].zero}})
 
     @classmethod
     def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:

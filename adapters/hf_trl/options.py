@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from adapters.lora_targets import require_peft_default
+from bench.run.plan_run import PlanKnobs, data_parallel_only, uniform_knobs
 from bench.run.spec import RunSpec, SpecError, UnsupportedError, refuse_comm_knobs, require_data_parallel_only
 
 KL_ESTIMATORS = ("k1", "k3")
@@ -89,6 +90,13 @@ class TrlOptions:
             raise SpecError(f"framework.grpo.loss_type={grpo.loss_type!r} is not allowed; choose one of: "
                             f"{', '.join(GRPO_LOSSES)}")
         return options
+
+    @classmethod
+    def plan_knobs(cls, layouts: dict[str, Any]) -> PlanKnobs:
+        """TRL's PPOTrainer prepares policy and value model together (PolicyAndValueWrapper) with one accelerate
+        config; reference and reward join DeepSpeed only at ZeRO-3 (prepare_deepspeed), else stay whole."""
+        data_parallel_only("trl", layouts, "TRL trains with data parallelism only (accelerate DDP or DeepSpeed)")
+        return uniform_knobs("trl", layouts, "TRL prepares its frozen models for DeepSpeed only at ZeRO-3")
 
     @classmethod
     def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:

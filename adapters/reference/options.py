@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from bench.run.plan_run import PlanKnobs, data_parallel_only, uniform_knobs
 from bench.run.spec import RunSpec, SpecError, UnsupportedError, refuse_comm_knobs, require_data_parallel_only
 
 LAYOUTS = {0: "DDP", 1: "DDP + ZeroRedundancyOptimizer", 2: "FSDP2 fully_shard(reshard_after_forward=False)",
@@ -55,6 +56,12 @@ class ReferenceOptions:
         if options.grad_clip < 0:
             raise SpecError(f"framework.grad_clip={options.grad_clip} must be >= 0 (0 = no clipping)")
         return options
+
+    @classmethod
+    def plan_knobs(cls, layouts: dict[str, Any]) -> PlanKnobs:
+        """The reference trains on one data-parallel mesh (DDP, or FSDP2 at ZeRO >= 2) for every model."""
+        data_parallel_only("torch", layouts, "the plain-PyTorch reference has data parallelism only (DDP, FSDP2)")
+        return uniform_knobs("torch", layouts, "one mesh for every model")
 
     @classmethod
     def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from adapters.lora_targets import require_peft_default
+from bench.run.plan_run import PlanKnobs, data_parallel_only, refuse, same_for, uniform_knobs
 from bench.run.spec import (
     RunSpec,
     SpecError,
@@ -130,6 +131,21 @@ class TrlxOptions:
         if self.reference == "auto":
             return "peft" if lora else "full" if self.num_layers_unfrozen == -1 else "hydra"
         return self.reference
+
+    @classmethod
+    def plan_knobs(cls, layouts: dict[str, Any]) -> PlanKnobs:
+        """trlx trains one model, the policy with its value head (AutoModelForCausalLMWithHydraValueHead), under
+        one accelerate/DeepSpeed config: actor and critic share a layout; the reference (a hydra branch, or a
+        frozen copy) and the reward function stay outside DeepSpeed, whole on every rank."""
+        data_parallel_only("trlx", layouts, "trlx trains with data parallelism only (accelerate with DeepSpeed)")
+        same_for("trlx", layouts, ("actor", "critic"), ("zero", "offload", "recompute"),
+                 "the critic is the policy's value head: one model, one engine")
+        for role in ("reference", "reward"):
+            if layouts[role].zero:
+                raise refuse("trlx", role, "zero", layouts[role].zero, "trlx keeps it outside DeepSpeed, whole on "
+                             "every rank (zero: 0)")
+        knobs = uniform_knobs("trlx", layouts, "kept outside DeepSpeed")
+        return PlanKnobs(knobs.common, {**knobs.per_role, "critic": {"the policy's value head": "(the actor's)"}})
 
     @classmethod
     def harness_extensions(cls, spec: RunSpec) -> list[dict[str, str]]:

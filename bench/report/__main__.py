@@ -21,6 +21,7 @@ from bench.report import (
     differences,
     environment,
     fixed_cost,
+    plans,
     plots,
     prediction,
     render,
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         + checkpoints.checkpoint_table(collection.rows, collection.cells)
         + fixed_cost.fixed_cost_table(collection.rows)
         + prediction.prediction_table(collection.records)
+        + plans.plan_table(collection.records)
         + [cells.cells_table(collection, out)],
         plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))
         + soak.soak_figure(collection.rows, collection.records, os.path.join(out, "plots")),

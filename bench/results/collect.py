@@ -28,7 +28,9 @@ CONFIG_COLUMNS = ("framework", "stage", "model", "precision", "zero", "lora", "b
 BOOKKEEPING_KEYS = ("seed", "output_root", "force", "sweep_name", "run_name", "wandb", "launcher.timeout_s",
                     "launcher.stall_s", "preflight", "global_batch", "verbose",
                     # where a node stands in a run over several nodes, not what the run does
-                    "launcher.node_rank", "launcher.rdzv_endpoint", "launcher.rdzv_id", "launcher.rdzv_timeout_s")
+                    "launcher.node_rank", "launcher.rdzv_endpoint", "launcher.rdzv_id", "launcher.rdzv_timeout_s",
+                    # where a plan=FILE run's plan was read from (what it sets is in the config's other keys)
+                    "plan_file")
 # Keys added to conf/config.yaml after records were first kept, with the value a record without the key ran
 # with: an older record counts as that default, so that adding a knob never splits its cells.
 # (memory_release_every: records before the key had the heap released before every phase that needed it; the
@@ -40,8 +42,9 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "reward.normalize": None, "ds.allgather_bucket_size": None, "ds.reduce_bucket_size": None,
               "ds.overlap_comm": None, "lora_targets": None, "lora_alpha": None,
               "grad_accum": 1, "stage_steps.grpo": 10,
-              "init.sft_prerequisite": False,
-              "launcher.nnodes": 1}  # PPO's actor started from random base weights before the key
+              "init.sft_prerequisite": False,  # PPO's actor started from random base weights before the key
+              "launcher.nnodes": 1,
+              "framework.critic_zero_stage": None, "framework.critic_gradient_checkpointing": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"

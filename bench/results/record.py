@@ -112,6 +112,7 @@ class ResultRecord:
     harness_extension: list[dict[str, str]] = field(default_factory=list)  # knobs upstream cannot run
     preflight: dict[str, Any] | None = None  # preflight=on|shrink: the predicted peak, the budget, the batch run
     batch: dict[str, Any] = field(default_factory=dict)  # micro-batch, accumulation, ranks, global (batch_shape)
+    plan: dict[str, Any] | None = None  # plan=FILE: the plan, each role's knobs, planned against measured
     stages: dict[str, StageRecord] = field(default_factory=dict)  # by stage name, in the order they ran
 
     def to_dict(self) -> dict[str, Any]:

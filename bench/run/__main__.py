@@ -21,13 +21,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
+from bench.plan.plan_file import PlanError
 from bench.plan.preflight import PreflightRefusal, preflight, resolve_device
 from bench.results.record import ResultRecord, StageRecord, utc_now
 from bench.results.table import print_record
+from bench.run import plan_run
 from bench.run.benchmark import RECORD_FILE, record_path, run_benchmark
 from bench.run.cli_checks import check_command_line
 from bench.run.cli_help import help_text
-from bench.run.config import CONF_DIR, to_plain
+from bench.run.config import CONF_DIR, compose, to_plain
 from bench.run.dry_run import DRY_RUN_FLAG, dry_run
 from bench.run.nodes import node_of
 from bench.run.spec import STAGE_CHOICES, SpecError, UnsupportedError, spec_from_config
@@ -127,12 +129,14 @@ def cli() -> None:
     dry = DRY_RUN_FLAG in args
     args = [arg for arg in args if arg != DRY_RUN_FLAG]
     try:
+        args = plan_run.expand(args, compose([])["framework"]["name"])
         check_command_line(args)
-    except SpecError as err:
+    except (SpecError, PlanError) as err:
         Console().print(f"[bold red]invalid configuration:[/bold red] {err}", soft_wrap=True)
         sys.exit(2)
     if dry:
         sys.exit(dry_run(args, Console()))
+    sys.argv = [sys.argv[0], *args]  # Hydra reads the command line: the plan's overrides in place of plan=FILE
     main()
 
 

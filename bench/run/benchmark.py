@@ -250,6 +250,10 @@ def run_benchmark(spec: RunSpec, run_dir: str, config: dict[str, Any], cache_dir
     failed = next((s for s in record.stages.values() if s.status not in ("ok", "skipped")), None)
     if failed is not None:
         record.status, record.error = failed.status, failed.error
+    if config.get("plan_file"):  # plan=FILE: the plan, and what it predicted beside what ran
+        from bench.run.plan_record import plan_entry
+
+        record.plan = plan_entry(config["plan_file"], spec.framework, record)
     record.finished_utc = utc_now()
     record.write(path)
     return record

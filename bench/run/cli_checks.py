@@ -22,7 +22,8 @@ from bench.run.spec import SpecError, UnsupportedError, spec_from_config
 PRINT_ONLY_FLAGS = ("--help", "-h", "--hydra-help", "--cfg", "-c", "--info", "-i", "--resolve", "--version",
                     "--shell-completion", "-sc")
 MULTIRUN_FLAGS = ("-m", "--multirun")
-# Config groups under conf/ that are not a run's: execution plans, read by `python -m bench.plan --check`.
+# Config groups under conf/ that are not a run's choices: execution plans, read as plan=FILE before Hydra
+# (bench.run.plan_run.expand) and by `python -m bench.plan --check`.
 NOT_RUN_GROUPS = ("plan",)
 
 
@@ -97,8 +98,8 @@ def check_command_line(args: list[str]) -> None:
         if key.split("/")[0].split(".")[0] == "hydra":
             continue
         if key in NOT_RUN_GROUPS:
-            raise SpecError(f"{key}={override.value()!r}: execution plans are checked by `python -m bench.plan "
-                            f"--check plan=FILE`; a run takes preflight=on|shrink to be checked before launch")
+            raise SpecError(f"{key}: an execution plan is given as plan=FILE (`python -m bench.run plan=FILE "
+                            "framework=NAME` runs it; `python -m bench.plan --check plan=FILE` checks it)")
         if override.is_add() or override.is_force_add() or override.is_delete():
             sign = "~" if override.is_delete() else "+"
             raise SpecError(f"{sign}{key}: rlhf-bench reads only the keys of its configuration; set a key with "

@@ -22,6 +22,8 @@ Usage: python -m bench.run [KEY=VALUE ...]
        python -m bench.run -m KEY=V1,V2 ...   (a sweep: a run per combination)
        python -m bench.run --dry-run [-m] ... (what would run, each cell
                                                checked; nothing launched)
+       python -m bench.run plan=FILE framework=NAME ... (an execution plan
+                                               as the framework's knobs)
 """
 FOOTER = """\
 Common keys: precision=fp32|bf16|fp16 zero=0|1|2|3 lora=RANK batch=N steps=N

@@ -1,0 +1,64 @@
+"""What a `plan=FILE` run's record keeps of its plan: the plan itself, the knobs that expressed each role, and per
+role and phase what the planner predicts beside what the run measured.
+
+Planned: `bench.plan`'s own model of the plan as written (bench.plan.cluster: the ZeRO paper's model states, the
+phase working sets), per GPU, with no calibration (it predicts GPUs). Measured: per role, the bytes of parameters
+and optimizer states the role's engine holds (the record's model_state, read from the engines' tensors; the
+busiest rank); per phase, the phase's growth over the post-import baseline (the record's memory method: host RSS
+on a CPU, the allocator's peak on a GPU; max over ranks). A role with no engine of its own (trlx's value head and
+hydra reference live in the policy's engine) has no measured state.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.plan import plan_file
+from bench.plan.cluster import resident
+from bench.plan.search import evaluate, make_roles
+from bench.results.record import ResultRecord
+from bench.run.plan_run import planned_run
+
+# the record's model_state keys for the planner's roles, and the record's phase for the planner's
+STATE_KEYS = {"actor": "actor", "critic": "critic", "reference": "ref", "reward": "reward"}
+PHASES = {"generation": "generation", "inference": "experience", "training": "training"}
+METHOD = ("planned: bench.plan's model of the plan as written (model states as the ZeRO paper, the phases' working "
+          "sets), per GPU, uncalibrated; measured: per role the parameter and optimizer-state bytes its engine holds "
+          "(model_state, busiest rank), per phase the growth over the post-import baseline (max over ranks, the "
+          "record's memory method); error = (planned - measured) / measured")
+
+
+def _error(planned: float, measured: float | None) -> float | None:
+    return None if not measured else round((planned - measured) / measured, 4)
+
+
+def plan_entry(path: str, framework: str, record: ResultRecord) -> dict[str, Any]:
+    run = planned_run(path, framework)
+    document = run.document
+    _, arch, critic_arch, cluster, workload = plan_file.context(document)
+    layouts, groups = plan_file.layouts_of(document["execution_plan"], arch, critic_arch, cluster)
+    roles = make_roles(arch, workload, critic_arch)
+    plan = evaluate("as written", roles, layouts, groups, workload, cluster)
+    stage = record.stages.get("ppo")
+    state = (stage.model_state if stage else None) or {}
+    phases = ((stage.memory if stage else None) or {}).get("phases") or {}
+    per_role = []
+    for knobs in run.roles:
+        terms = resident(roles[knobs.role], layouts[knobs.role], workload)
+        planned = terms.params + terms.optimizer + terms.lora
+        held = state.get(STATE_KEYS[knobs.role]) or {}
+        ranks = [p + o for p, o in zip(held.get("param_bytes_per_rank") or [],
+                                       held.get("optimizer_state_bytes_per_rank") or [], strict=False)]
+        measured = max(ranks) if ranks else None
+        per_role.append({"role": knobs.role, "layout": knobs.layout, "knobs": knobs.knobs,
+                         "planned_state_bytes": round(planned), "measured_state_bytes": measured,
+                         "error": _error(planned, measured)})
+    group = plan.groups[0]
+    per_phase = []
+    for phase, recorded in PHASES.items():
+        measured = (phases.get(recorded) or {}).get("growth_over_baseline_bytes")
+        planned = group.phases[phase].device
+        per_phase.append({"phase": recorded, "planned_bytes": round(planned), "measured_growth_bytes": measured,
+                          "error": _error(planned, measured)})
+    return {"file": run.path, "document": document, "overrides": run.overrides, "method": METHOD,
+            "roles": per_role, "phases": per_phase}
