@@ -29,7 +29,8 @@ def plan_table(records: dict[str, dict[str, Any]]) -> list[Table]:
         method = plan.get("method")
         framework = (record.get("config") or {}).get("framework", {}).get("name", "?")
         for entry in plan.get("roles") or []:
-            knobs = "; ".join(f"{k}={v}" for k, v in (entry.get("knobs") or {}).items())
+            knobs = "; ".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}"
+                              for k, v in (entry.get("knobs") or {}).items())
             body.append([run, framework, f"role {entry['role']}", entry.get("layout", "-"), knobs or "-",
                          _mib(entry.get("planned_state_bytes")), _mib(entry.get("measured_state_bytes")),
                          _error(entry.get("error"))])
