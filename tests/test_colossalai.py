@@ -81,8 +81,8 @@ def test_fp32_ddp_sft_losses_match_a_plain_pytorch_loop_and_the_reference(run_be
 # (z0 fp32: its SFT is the plain-loop test above; PPO on ddp is a harness extension) and LowLevelZero 1 (fp32
 # with LoRA, the same plugin class at another stage) in the slow tier, to keep CI under its time budget.
 # scripts/colossalai_matrix.sh runs the full cross product.
-# CI runs the 3d plugin with LoRA; LowLevelZero's ZeRO-2 PPO runs in CI in tests/test_multinode.py (two nodes
-# against one) and its read-back bucket in tests/test_comm_knobs.py, so its pipeline cell is in the slow tier
+# CI runs the 3d plugin with LoRA; LowLevelZero's ZeRO-2 PPO runs in CI in tests/test_quantize.py (with its
+# clipping read back) and its bucket in tests/test_comm_knobs.py, so the ZeRO-2 pipeline cell is in the slow tier
 PIPELINE_CELLS = [pytest.param("0", "fp32", "0", marks=pytest.mark.slow), ("0", "bf16", "8"),
                   pytest.param("1", "fp32", "8", marks=pytest.mark.slow),
                   pytest.param("2", "bf16", "0", marks=pytest.mark.slow)]

@@ -131,6 +131,7 @@ def test_oom_at_a_batch_skips_the_larger_batches_of_that_configuration(tmp_path)
 
 
 @pytest.mark.engine
+@pytest.mark.slow  # CI runs hydra's submitit launcher on a real SLURM instead (tests/test_multinode.py)
 def test_a_sweep_runs_through_the_submitit_local_launcher(tmp_path):
     # The path a SLURM sweep takes (hydra/launcher=submitit_slurm), with submitit's local executor: the
     # cell is pickled, run in a submitit job process, and launches its own torchrun tree from there.
