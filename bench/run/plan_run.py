@@ -35,9 +35,6 @@ NOT_RUN = {
     "keep_experience_caches": "what an experience maker keeps is each framework's own behaviour",
     "hydra_layers": "trlx's hydra layout is its framework.num_layers_unfrozen",
 }
-# overrides the plan sets: a command line that sets one of these too contradicts the plan
-PLAN_KEYS = ("model", "stage", "launcher.nnodes", "launcher.nproc", "grad_accum", *RUN_WORKLOAD.values(), "zero",
-             "tp", "pp", "offload", "grad_ckpt")
 
 
 @dataclass(frozen=True)
@@ -156,8 +153,7 @@ def uniform_knobs(framework: str, layouts: dict[str, Layout], frozen_rule: str) 
     common = {"zero": actor.zero, "offload": actor.offload, "grad_ckpt": actor.recompute}
     if actor.tp > 1 or actor.pp > 1:
         common.update(tp=actor.tp, pp=actor.pp)
-    trained = {k: v for k, v in common.items()}
-    per_role = {role: dict(trained) for role in ("actor", "critic")}
+    per_role = {role: dict(common) for role in ("actor", "critic")}
     per_role.update({role: {"zero": layouts[role].zero} for role in ("reference", "reward")})
     return PlanKnobs(common, per_role)
 
@@ -186,9 +182,10 @@ def expand(args: list[str], default_framework: str) -> list[str]:
     if "," in framework:
         raise plan_file.PlanError(f"framework={framework}: plan=FILE runs one framework at a time (each expresses "
                                   "the plan with knobs of its own)")
+    run = planned_run(path, framework)
+    planned = {o.split("=", 1)[0] for o in run.overrides}  # what the plan sets, in this framework's knobs
     for arg in rest:
         key = arg.split("=", 1)[0].lstrip("+~")
-        if key in PLAN_KEYS or key in ("framework.critic_zero_stage", "framework.critic_gradient_checkpointing"):
+        if key in planned:
             raise plan_file.PlanError(f"{arg}: the plan sets {key} (edit the plan, or run without plan=)")
-    run = planned_run(path, framework)
     return [*rest, *run.overrides, f"plan_file={run.path}"]
