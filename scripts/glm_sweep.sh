@@ -43,16 +43,18 @@
 # `bash scripts/glm_sweep.sh --dry-run` prints every cell the sweep would run, each checked by this checkout's
 # `bench.run --dry-run` (and bench.perf's), and writes nothing: no worktree, no pending copies, no examples.
 #
-# The runs come from a git worktree of the commit under results/worktrees/ (its ignored results/ subfolders
-# linked to this checkout's), with this checkout's .venv and this checkout's block list (which cells run is the
-# sweep's design, not the measured code; the records name the worktree's commit): every record reads its code state when it starts, so
-# editing or committing in this checkout while the sweep runs changes nothing it records. COMMIT=<sha> runs the
-# sweep at that commit whatever is checked out (default HEAD, which must then be clean), so a sweep that spans
-# sessions finishes at the commit it began at while the branch moves on.
+# The runs come from a clean git worktree of the commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
+# runs the sweep at that commit whatever is checked out (default HEAD, which must then be clean), so a sweep that
+# spans sessions finishes at the commit it began at while the branch moves on; the log of each session's host is
+# results/pending/host-<commit>.log, then hosts.log in the examples.
 set -euo pipefail
-cd "${SWEEP_TREE:-$(dirname "$0")/..}"
+scripts=$(cd "$(dirname "$0")" && pwd)
+cd "${SWEEP_TREE:-$scripts/..}"
 export OMP_NUM_THREADS=1
 here=$(pwd)
+SCRIPT=glm_sweep.sh
+# shellcheck source=scripts/curated_tree.sh
+source "$scripts/curated_tree.sh"
 python=${PYTHON:-$here/.venv/bin/python}
 dry=0
 for arg in "$@"; do
@@ -74,28 +76,8 @@ if [ "$dry" = 1 ]; then
   dry_lines=$(mktemp)
   trap 'rm -f "$dry_lines"' EXIT
 fi
-if [ -z "${CURATED_ROOT:-}" ]; then  # this checkout: hand the sweep to a worktree of the commit
-  if [ -z "${COMMIT:-}" ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-    echo "glm_sweep.sh: the tree has uncommitted changes; commit them (or name COMMIT=<sha>): curated runs come" \
-      "from a clean checkout at one commit" >&2
-    git status --short --untracked-files=no >&2
-    exit 2
-  fi
-  tree=results/worktrees/${full:0:12}
-  git worktree prune  # a worktree whose folder went with an earlier machine's results/ is registered no more
-  [ -d "$tree" ] || git worktree add --detach "$tree" "$full"
-  mkdir -p results/sweeps results/cache results/perf results/pending
-  for sub in sweeps cache perf; do  # ignored folders: the worktree stays a clean checkout of the commit
-    [ -L "$tree/results/$sub" ] || ln -s "$here/results/$sub" "$tree/results/$sub"
-  done
-  # the worktree's own pending folder is a tracked path there: its copies go to this checkout's
-  exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" SWEEP_TREE="$here/$tree" \
-    bash "$here/scripts/glm_sweep.sh" "$@"
-fi
-if [ "$dry" = 0 ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then  # the worktree: nobody edits it
-  echo "glm_sweep.sh: the worktree $here has uncommitted changes; remove it (git worktree remove --force)" >&2
-  exit 2
-fi
+[ -n "${CURATED_ROOT:-}" ] || curated_worktree scripts/glm_sweep.sh "$@"
+[ "$dry" = 1 ] || curated_worktree_is_clean
 curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
 commit=${full:0:12}
 all_blocks="A2 A3 B Q C D A0 Z G E F P K N L"
@@ -116,45 +98,12 @@ if [ "$dry" = 0 ] && [ -d "$perf_kept" ]; then
   mkdir -p "results/perf/glm-base-sft-$commit" && (cd "$perf_kept" && find . -type f \
     -exec cp -n --parents {} "$here/results/perf/glm-base-sft-$commit/" \;)
 fi
-# The host the runs come from. The records name their host, but a5a0ece258c5's records name it by CPU name, cores
-# and memory only, and two hosts of this workplace with one name differ in their matrix instructions (one has
-# AMX and AVX512-FP16, one neither). A sweep that spans sessions therefore keeps a log of the host each session
-# ran on (host-<commit>.log in pending/, then in the examples) and refuses a host other than the one it began
-# on: cells from two host types are not repeats of one thing. NEW_HOST=ok runs on anyway (the log says which
-# blocks ran where); use it only for blocks whose comparisons all run on the new host.
-host_fingerprint() {
-  local isa="" flags flag
-  flags=" $(grep -m1 '^flags' /proc/cpuinfo | cut -d: -f2) "
-  for flag in avx512_bf16 avx512_fp16 amx_bf16 amx_fp16 amx_int8; do  # environment.MATRIX_FLAGS's order
-    [[ $flags == *" $flag "* ]] && isa=${isa:+$isa+}$flag
-  done
-  awk -F': *' -v cpus="$(getconf _NPROCESSORS_ONLN)" -v isa="${isa:-no native 16-bit matrix ISA}" \
-    '/^model name/ && !n {n=$2} /^cpu family/ && !f {f=$2} /^model\t/ && !m {m=$2} /^stepping/ && !s {s=$2}
-     END {printf "%s (family %s model %s stepping %s) x %s, %s\n", n, f, m, s, cpus, isa}' /proc/cpuinfo
-}
-host_log=$curated/pending/host-$commit.log
 if [ "$dry" = 0 ]; then
-  here_host=$(host_fingerprint)
-  first_host=$([ -f "$host_log" ] && grep -m1 -oP '(?<=\thost: )[^\t]*' "$host_log" || true)
-  if [ -n "$first_host" ] && [ "$first_host" != "$here_host" ] && [ "${NEW_HOST:-}" != ok ]; then
-    echo "glm_sweep.sh: this host ($here_host) is not the one the sweep at $commit began on ($first_host;" \
-      "$host_log): its cells would not be repeats of the others. Run it there, start a sweep at a new commit," \
-      "or set NEW_HOST=ok for blocks whose comparisons all run here" >&2
-    exit 2
-  fi
   count_records() {  # folders a sweep has not made yet count none (find's error is not the sweep's)
     { find results/sweeps/glm-base-$commit results/sweeps/claims-$commit results/perf/glm-base-sft-$commit \
         -name record.json 2>/dev/null || true; } | wc -l
   }
-  records_before=$(count_records)
-  # the session's line is written when it ends (a stopped session's too), with the runs it added
-  log_session() {
-    local now
-    now=$(count_records)
-    printf '%s\tblocks: %s (%s runs added)\thost: %s\tkernel: %s\n' "$(date -u +%Y-%m-%dT%H:%MZ)" \
-      "${BLOCKS:-$all_blocks}" "$((now - records_before))" "$here_host" "$(uname -r)" >> "$host_log"
-  }
-  trap log_session EXIT
+  host_guard "$curated/pending/host-$commit.log" "blocks: ${BLOCKS:-$all_blocks}" count_records
 fi
 common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5)
 all=dschat,colossalai,trlx,trl

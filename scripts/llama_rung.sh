@@ -4,35 +4,43 @@
 # SFT, RM and PPO of DS-Chat, ColossalChat and trlx (the frameworks with a memory model) in each of the
 # calibration's regimes: full fine-tuning at ZeRO-2 with batch 2 and with batch 4 (two configurations of one
 # regime, so leaving one out leaves the other to fit on), ZeRO-3 (coati's Gemini needs CUDA: `unsupported` in
-# seconds) and LoRA 64 at ZeRO-2. About 4 hours of this 2-core machine (trlx's PPO about half of it), from a
-# clean tree at one commit (refused otherwise: the records name one commit). Re-running at the same commit
+# seconds) and LoRA 64 at ZeRO-2. About 4 hours of this 2-core machine (trlx's PPO about half of it).
+# The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
+# runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that
+# spans sessions finishes at the commit it began at while the branch moves on. Re-running at the same commit
 # resumes: finished cells are kept, and after every multirun the records are copied to
-# results/pending/llama-base-<commit>/ (kept by git) so that a run spanning sessions or machines resumes from
-# them. When every cell is done they become results/examples/llama-base, and the accuracy is printed: the
+# results/pending/llama-base-<commit>/ (kept by git, with host-llama-base-<commit>.log, the host of each
+# session) so that a rung spanning sessions or machines resumes from them (a stopped session copies the runs it
+# finished too: the resumed rung skips what finished and runs the rest).
+# When every cell is done they become results/examples/llama-base (hosts.log beside them), and the accuracy is
+# printed: the
 # planner's physics with each framework's calibration, fitted on the glm-base records and these, every
 # configuration predicted by a fit that left it out:
 #   python -m bench.plan.calibrate results/examples/glm-base results/examples/llama-base --select seed=1 --dry-run
 #
 # `bash scripts/llama_rung.sh --dry-run` prints every cell, each checked by `bench.run --dry-run`; nothing runs.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+scripts=$(cd "$(dirname "$0")" && pwd)
+cd "${SWEEP_TREE:-$scripts/..}"
 export OMP_NUM_THREADS=1
-python=${PYTHON:-$(pwd)/.venv/bin/python}
+here=$(pwd)
+python=${PYTHON:-$here/.venv/bin/python}
+SCRIPT=llama_rung.sh
+# shellcheck source=scripts/curated_tree.sh
+source "$scripts/curated_tree.sh"
 dry=0
 for arg in "$@"; do
   case $arg in
     --dry-run) dry=1 ;;
-    *) echo "llama_rung.sh: unknown argument $arg; allowed: --dry-run" >&2; exit 2 ;;
+    *) echo "llama_rung.sh: unknown argument $arg; allowed: --dry-run (settings are environment variables:" \
+         "COMMIT, PYTHON, NEW_HOST)" >&2; exit 2 ;;
   esac
 done
-if [ "$dry" = 0 ] && [ -n "$(git status --porcelain --untracked-files=no)" ]; then
-  echo "llama_rung.sh: the tree has uncommitted changes; commit them first: the rung's records name one commit" >&2
-  git status --short --untracked-files=no >&2
-  exit 2
-fi
-commit=$(git rev-parse --short=12 HEAD)
+full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
+  echo "llama_rung.sh: COMMIT=${COMMIT:-HEAD} is not a commit of this repository" >&2; exit 2; }
+commit=${full:0:12}
 name=llama-base-$commit
-dir=results/sweeps/$name pending=results/pending/$name
+dir=results/sweeps/$name
 cells=(
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=2"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=4"
@@ -49,18 +57,30 @@ if [ "$dry" = 1 ]; then
   done | "$python" -m bench.run.dry_run
   exit
 fi
+[ -n "${CURATED_ROOT:-}" ] || curated_worktree scripts/llama_rung.sh "$@"
+curated_worktree_is_clean
+curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
+pending=$curated/pending/$name
+count_records() { { find "$dir" -name record.json 2>/dev/null || true; } | wc -l; }
+host_guard "$curated/pending/host-$name.log" "rung: llama-base" count_records
+keep_records() { mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$pending/" \;); }
+trap 'keep_records; log_session' EXIT
 mkdir -p "$dir"
 if [ -d "$pending" ]; then  # resume from the records a session before this one kept
-  (cd "$pending" && find . -name record.json -exec cp -n --parents {} "$OLDPWD/$dir/" \;)
+  (cd "$pending" && find . -name record.json -exec cp -n --parents {} "$here/$dir/" \;)
 fi
 for cell in "${cells[@]}"; do
   # shellcheck disable=SC2086
   "$python" -m bench.run -m "${common[@]}" $cell
   find "$dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune -exec rm -rf {} +
-  mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$OLDPWD/$pending/" \;)
+  keep_records
 done
-example=results/examples/llama-base
+example=$curated/examples/llama-base
 rm -rf "$example" && mkdir -p "$example"
-(cd "$dir" && find . -name record.json -exec cp --parents {} "$OLDPWD/$example/" \;)
+(cd "$dir" && find . -name record.json -exec cp --parents {} "$example/" \;)
 rm -rf "$pending"
-"$python" -m bench.plan.calibrate results/examples/glm-base "$example" --select seed=1 --dry-run
+trap - EXIT && log_session
+mv "$host_log" "$example/hosts.log"
+# the accuracy with the calling checkout's code (the current physics), not the measured commit's
+cd "$curated/.." && "$python" -m bench.plan.calibrate results/examples/glm-base results/examples/llama-base \
+  --select seed=1 --dry-run

@@ -1,6 +1,9 @@
-"""scripts/glm_sweep.sh's provenance guarantees, on a clone of this repository: a dirty checkout is refused, and
-the runs come from a clean worktree of the named commit whose ignored results/ folders are the checkout's own.
-An unknown block stops the script right after that set-up, before any run."""
+"""The provenance guarantees of the scripts whose runs become curated evidence (scripts/glm_sweep.sh and
+scripts/llama_rung.sh, through scripts/curated_tree.sh), on a clone of this repository: a dirty checkout is
+refused, the runs come from a clean worktree of the named commit whose ignored results/ folders are the
+checkout's own, and a sweep resumed on another host type is refused. An unknown glm_sweep.sh block stops the
+script right after that set-up, before any run; llama_rung.sh is checked through its refusals, which come
+before its first run."""
 
 from __future__ import annotations
 
@@ -26,15 +29,16 @@ def clone(tmp_path: Path) -> Path:
     return target
 
 
-def _sweep(clone: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", "scripts/glm_sweep.sh"], cwd=clone, capture_output=True, text=True, timeout=60,
+def _sweep(clone: Path, script: str = "glm_sweep", **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", f"scripts/{script}.sh"], cwd=clone, capture_output=True, text=True, timeout=60,
                           env={**os.environ, "BLOCKS": "none", **env})
 
 
-def test_a_checkout_with_uncommitted_changes_is_refused(clone: Path) -> None:
+@pytest.mark.parametrize("script", ["glm_sweep", "llama_rung"])
+def test_a_checkout_with_uncommitted_changes_is_refused(clone: Path, script: str) -> None:
     with open(clone / "README.md", "a") as f:
         f.write("an uncommitted line\n")
-    done = _sweep(clone)
+    done = _sweep(clone, script)
     assert done.returncode == 2 and "uncommitted changes" in done.stderr, done.stderr
     assert not (clone / "results" / "worktrees").exists()
 
@@ -52,8 +56,8 @@ def test_the_runs_come_from_a_clean_worktree_of_the_named_commit(clone: Path) ->
         assert os.path.realpath(tree / "results" / sub) == str((clone / "results" / sub).resolve())
 
 
-def _host_lines(clone: Path, commit: str) -> list[str]:
-    return (clone / "results" / "pending" / f"host-{commit[:12]}.log").read_text().splitlines()
+def _host_lines(clone: Path, commit: str, sweep: str = "") -> list[str]:
+    return (clone / "results" / "pending" / f"host-{sweep}{commit[:12]}.log").read_text().splitlines()
 
 
 def test_a_sweep_resumed_on_another_host_is_refused_unless_told(clone: Path) -> None:
@@ -86,3 +90,21 @@ def test_a_sweep_on_the_host_it_began_on_goes_on(clone: Path) -> None:
     assert "unknown block none" in again.stderr and "is not the one" not in again.stderr
     first, second = (line.split("\t")[2] for line in _host_lines(clone, commit))
     assert first == second
+
+
+def test_the_llama_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path) -> None:
+    """Its own log (host-llama-base-<commit>.log), checked in the worktree of the named commit: a made-up first
+    host is refused there, before the rung's first run, and nothing is logged."""
+    commit = _git(clone, "rev-parse", "HEAD")
+    log = clone / "results" / "pending" / f"host-llama-base-{commit[:12]}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("2026-01-01T00:00Z\trung: llama-base (3 runs added)\thost: Imaginary CPU x 64, amx_fp16\t"
+                   "kernel: 1\n")
+    with open(clone / "README.md", "a") as f:
+        f.write("an uncommitted line: the checkout may change while a named commit's rung runs\n")
+    refused = _sweep(clone, "llama_rung", COMMIT=commit)
+    assert refused.returncode == 2 and "is not the one the sweep" in refused.stderr, refused.stderr
+    assert "Imaginary CPU x 64" in refused.stderr and len(_host_lines(clone, commit, "llama-base-")) == 1
+    tree = clone / "results" / "worktrees" / commit[:12]
+    assert _git(tree, "rev-parse", "HEAD") == commit and _git(tree, "status", "--porcelain") == ""
+    assert not (clone / "results" / "sweeps" / f"llama-base-{commit[:12]}").exists()  # no run began
