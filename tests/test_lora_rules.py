@@ -53,6 +53,29 @@ def test_dschat_only_optimize_lora_is_opt_in_and_keeps_forced_params():
                                 | {"transformer.ln_f.weight", "transformer.ln_f.bias"})
 
 
+@pytest.mark.parametrize("preset, blocks", [(None, "h."), ("tiny-llama", "layers.")])
+def test_dschat_lora_saves_a_plain_model_that_computes_the_same(preset, blocks):
+    """GPT-2's Conv1D layers with their biases and Llama's bias-free Linear projections: the saved state, the
+    adapters folded in, loads into a plain model whose logits are the LoRA model's own."""
+    from adapters.dschat.lora import convert_to_lora, fused_state_dict
+    from bench.run.config import compose
+
+    spec = MODEL if preset is None else ModelSpec(**compose([f"model={preset}"])["model"])
+    torch.manual_seed(0)
+    model = build_causal_lm(spec).eval()
+    assert convert_to_lora(model, blocks, rank=4) > 0
+    ids = torch.randint(2, spec.vocab, (2, 8))
+    untrained = model(ids).logits
+    for name, p in model.named_parameters():
+        if "lora_left_weight" in name:
+            torch.nn.init.normal_(p, std=0.02)  # a trained adapter: no longer zero
+    trained = model(ids).logits
+    assert not torch.allclose(trained, untrained, atol=1e-4)  # the adapters move the output: folding them counts
+    plain = build_causal_lm(spec).eval()
+    plain.load_state_dict(fused_state_dict(model))  # strict: every key of the plain model, no other
+    assert torch.allclose(plain(ids).logits, trained, atol=1e-4)
+
+
 @pytest.mark.parametrize("train_bias", ["none", "all", "lora"])
 def test_coati_lora_trains_adapters_and_the_biases_its_mode_keeps(train_bias):
     from adapters.colossalai.lora import LINEAR_ALPHA, LoraLinear, convert_to_lora

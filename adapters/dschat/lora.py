@@ -77,7 +77,8 @@ def fused_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
         if isinstance(module, LoRALinear):
             prefix = f"{name}." if name else ""
             state[f"{prefix}weight"] = module.fused_weight().detach()
-            state[f"{prefix}bias"] = state.pop(f"{prefix}base.bias")
+            if module.base.bias is not None:  # Llama-family projections have none (bias=False)
+                state[f"{prefix}bias"] = state.pop(f"{prefix}base.bias")
             for key in ("base.weight", "lora_right_weight", "lora_left_weight"):
                 state.pop(f"{prefix}{key}")
     return state
