@@ -23,10 +23,13 @@ curated_worktree() {
   tree=results/worktrees/${full:0:12}
   git worktree prune  # a worktree whose folder went with an earlier machine's results/ is registered no more
   [ -d "$tree" ] || git worktree add --detach "$tree" "$full"
-  mkdir -p results/sweeps results/cache results/perf results/pending
-  for sub in sweeps cache perf; do  # ignored folders: the worktree stays a clean checkout of the commit
+  mkdir -p results/sweeps results/perf results/pending "results/cache/${full:0:12}"
+  for sub in sweeps perf; do  # ignored folders: the worktree stays a clean checkout of the commit
     [ -L "$tree/results/$sub" ] || ln -s "$here/results/$sub" "$tree/results/$sub"
   done
+  # the prerequisite models (PPO's SFT and reward models) are cached per commit: their cache key is the
+  # configuration, not the code, so a shared cache would hand a curated PPO run models an earlier commit trained
+  [ -L "$tree/results/cache" ] || ln -s "$here/results/cache/${full:0:12}" "$tree/results/cache"
   exec env -u COMMIT PYTHON="$python" CURATED_ROOT="$here/results" SWEEP_TREE="$here/$tree" \
     bash "$here/$script" "$@"
 }

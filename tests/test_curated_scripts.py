@@ -52,8 +52,10 @@ def test_the_runs_come_from_a_clean_worktree_of_the_named_commit(clone: Path) ->
     tree = clone / "results" / "worktrees" / commit[:12]
     assert _git(tree, "rev-parse", "HEAD") == commit
     assert _git(tree, "status", "--porcelain") == ""  # what every record's environment.git will read: clean
-    for sub in ("sweeps", "cache", "perf"):
+    for sub in ("sweeps", "perf"):
         assert os.path.realpath(tree / "results" / sub) == str((clone / "results" / sub).resolve())
+    # prerequisite models trained at another commit are never reused: the cache is the commit's own
+    assert os.path.realpath(tree / "results" / "cache") == str((clone / "results" / "cache" / commit[:12]).resolve())
 
 
 def _host_lines(clone: Path, commit: str, sweep: str = "") -> list[str]:
