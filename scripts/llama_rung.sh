@@ -12,11 +12,12 @@
 # results/pending/llama-base-<commit>/ (kept by git, with host-llama-base-<commit>.log, the host of each
 # session) so that a rung spanning sessions or machines resumes from them (a stopped session copies the runs it
 # finished too: the resumed rung skips what finished and runs the rest).
-# When every cell is done they become results/examples/llama-base (hosts.log beside them), and the accuracy is
-# printed: the
-# planner's physics with each framework's calibration, fitted on the glm-base records and these, every
-# configuration predicted by a fit that left it out:
-#   python -m bench.plan.calibrate results/examples/glm-base results/examples/llama-base --select seed=1 --dry-run
+# When every cell is done they become results/examples/llama-base (hosts.log and the report beside them), and
+# the accuracy is printed: the planner's physics with each framework's calibration, fitted on the glm-base
+# records and these, every configuration predicted by a fit that left it out (the stored calibration's own fit,
+# docs/planner.md):
+#   python -m bench.plan.calibrate results/examples/glm-base results/examples/glm-base-amx \
+#     results/examples/llama-base --select 'model.name=[glm-base,llama-base]' --select seed=1 --dry-run
 #
 # `bash scripts/llama_rung.sh --dry-run` prints every cell, each checked by `bench.run --dry-run`; nothing runs.
 set -euo pipefail
@@ -81,6 +82,7 @@ rm -rf "$example" && mkdir -p "$example"
 rm -rf "$pending"
 trap - EXIT && log_session
 mv "$host_log" "$example/hosts.log"
+(cd "$curated/.." && "$python" -m bench.report "$example" --out "$example/report")
 # the accuracy with the calling checkout's code (the current physics), not the measured commit's
-cd "$curated/.." && "$python" -m bench.plan.calibrate results/examples/glm-base results/examples/llama-base \
-  --select seed=1 --dry-run
+cd "$curated/.." && "$python" -m bench.plan.calibrate results/examples/glm-base results/examples/glm-base-amx \
+  results/examples/llama-base --select 'model.name=[glm-base,llama-base]' --select seed=1 --dry-run

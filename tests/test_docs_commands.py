@@ -64,13 +64,15 @@ def _settings(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def _fill(words: list[str], records: str, scratch: str) -> list[str]:
-    """Placeholders out: `...` dropped, `[--opt x]` opened, a record folder replaced by the one an earlier
-    command wrote under `scratch` (the slow tier runs a page's sweep before its report), else by `records`."""
+    """Placeholders out: `...` dropped, `[--opt x]` opened (a balanced `k=[a,b]` kept), a record folder
+    replaced by the one an earlier command wrote under `scratch` (the slow tier runs a page's sweep before its
+    report), else by `records`."""
     out = []
     for word in words:
         if word == "...":
             continue
-        word = word.strip("[]")
+        if word.startswith("[") or word.count("[") != word.count("]"):  # `[k=v]`, `[--opt x]`; not `k=[a,b]`
+            word = word.strip("[]")
         if RECORD_FOLDERS.match(word) or "<" in word:
             written = sorted(Path(scratch).glob(word.replace("<name>", "*")))
             word = str(written[-1]) if written and word.startswith("results/") else records

@@ -4,6 +4,8 @@ Values worked by hand in each test."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench.plan import calibration
 from bench.plan.calibration import Calibration, Residual
 
@@ -51,3 +53,25 @@ def test_calibrate_reads_several_roots_naming_each_run_under_its_folder(tmp_path
     assert sorted(both) == ["glm-base/run-a", "llama-base/run-a"]
     assert both["llama-base/run-a"]["run_id"] == "llama-base-a"
     assert sorted(_records([str(tmp_path / "glm-base")])) == ["run-a"]
+
+
+def test_a_selection_s_list_matches_any_of_its_items():
+    from bench.plan.accuracy import in_selection
+
+    glm = {"model": {"name": "glm-base"}, "seed": 1}
+    both = {"model.name": ["glm-base", "llama-base"], "seed": 1}
+    assert in_selection(glm, both)
+    assert in_selection({"model": {"name": "llama-base"}, "seed": 1}, both)
+    assert not in_selection({"model": {"name": "glm-large"}, "seed": 1}, both)  # the model the fit never sees
+    assert not in_selection({"model": {"name": "glm-base"}, "seed": 2}, both)
+    assert not in_selection({"seed": 1}, both)  # no model named: matches no list
+    assert in_selection(glm, {"model.name": "glm-base"}) and not in_selection(glm, {"model.name": "llama-base"})
+
+
+@pytest.mark.parametrize("pair, named", [("model.name=[glm-base", "'[glm-base'"), ("seed", "'seed'")])
+def test_a_select_that_is_not_key_equals_value_exits_2_naming_it(tmp_path, capsys, pair, named):
+    from bench.plan.calibrate import main
+
+    assert main([str(tmp_path), "--select", pair, "--dry-run"]) == 2
+    out = capsys.readouterr().out
+    assert named in out and "model.name=[glm-base,llama-base]" in out

@@ -1,64 +1,88 @@
 """The stored calibrations are what `python -m bench.plan.calibrate` fits on the curated records today: a refit
-of results/examples/glm-base (glm-base, seed 1, the selection each file names) against the stored offsets."""
+of the curated examples each file names as its source (the GPT-2-shaped glm-base sweep and the Llama-shaped
+llama-base rung, seed 1) against the stored offsets."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from adapters import registry
 from bench.plan import calibration
 from bench.plan.accuracy import comparisons
-from bench.plan.calibrate import refit
-from bench.results.collect import collect
+from bench.plan.calibrate import _records, refit
 
 REPO = Path(__file__).resolve().parents[1]
-CURATED = REPO / "results" / "examples" / "glm-base"
+GPT2_LADDER = "results/examples/glm-base"
+
+
+def _sources(stored: calibration.Calibration) -> list[str]:
+    return stored.fitted_on["source"].split(" + ")
 
 
 @pytest.fixture(scope="module")
-def curated():
-    records = collect(str(CURATED)).records
-    return records, comparisons(records)
+def stored() -> dict[str, calibration.Calibration]:
+    out = {}
+    for framework in ("dschat", "colossalai", "trlx"):
+        cal = calibration.load(registry.package(framework))
+        assert cal is not None, f"{framework}: no stored calibration"
+        out[framework] = cal
+    return out
 
 
 @pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx"])
-def test_the_stored_calibration_equals_a_refit_of_the_curated_records(curated, framework):
-    stored = calibration.load(registry.package(framework))
-    assert stored is not None and stored.fitted_on["source"] == "results/examples/glm-base"
-    records, rows = curated
-    fit = refit(records, rows, stored.fitted_on["selection"], "results/examples/glm-base", framework)
+def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, framework):
+    cal = stored[framework]
+    roots = _sources(cal)
+    assert GPT2_LADDER in roots and all((REPO / root).is_dir() for root in roots), roots
+    records = _records([str(REPO / root) for root in roots])
+    fit = refit(records, comparisons(records), cal.fitted_on["selection"], cal.fitted_on["source"], framework)
     assert fit is not None
     fitted = fit[0]
-    assert fitted.fitted_on == stored.fitted_on
-    assert sorted(fitted.offsets_bytes) == sorted(stored.offsets_bytes)
-    drifted = {k: (stored.offsets_bytes[k], v) for k, v in fitted.offsets_bytes.items()
-               if v != pytest.approx(stored.offsets_bytes[k], rel=1e-9, abs=1.0)}
+    assert fitted.fitted_on == cal.fitted_on
+    assert sorted(fitted.offsets_bytes) == sorted(cal.offsets_bytes)
+    drifted = {k: (cal.offsets_bytes[k], v) for k, v in fitted.offsets_bytes.items()
+               if v != pytest.approx(cal.offsets_bytes[k], rel=1e-9, abs=1.0)}
     assert drifted == {}, f"{framework}: stored -> refit offsets differ (bytes): {json.dumps(drifted)}; " \
                           "run python -m bench.plan.calibrate " + " ".join(
-                              ["results/examples/glm-base"] + [f"--select {k}={v}" for k, v in
-                                                               stored.fitted_on["selection"].items()])
+                              roots + [f"--select {k}={v}" for k, v in cal.fitted_on["selection"].items()])
+
+
+def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:
+    """The selection read by hand: each dotted key's value equals the wanted one, or is one of a wanted list."""
+    for dotted, wanted in selection.items():
+        value: Any = config
+        for part in dotted.split("."):
+            value = value.get(part) if isinstance(value, dict) else None
+        if value not in (wanted if isinstance(wanted, list) else [wanted]):
+            return False
+    return True
 
 
 @pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx"])
-def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(framework):
-    """Read a second way: every curated record.json of the framework at glm-base seed 1, rank 0's post-import
-    baseline of each stage, their median; on a device with no records the runtime is not counted."""
+def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored, framework):
+    """Read a second way: every curated record.json of the framework under the calibration's sources that its
+    selection names, rank 0's post-import baseline of each successful stage, their median; on a device with no
+    records the runtime is not counted."""
     import statistics
 
     from bench.plan.preflight import runtime_bytes
 
+    cal = stored[framework]
     baselines = []
-    for path in CURATED.rglob("record.json"):
-        record = json.loads(path.read_text())
-        config = record["config"]
-        if (config["framework"]["name"], config["model"]["name"], config["seed"]) != (framework, "glm-base", 1):
-            continue
-        for stage in record["stages"].values():
-            if stage["status"] == "ok":
-                baselines.append(stage["memory"]["baseline_bytes_per_rank"][0])
+    for root in _sources(cal):
+        for path in (REPO / root).rglob("record.json"):
+            record = json.loads(path.read_text())
+            config = record["config"]
+            if record["status"] != "ok" or config["framework"]["name"] != framework \
+                    or not _selected(config, cal.fitted_on["selection"]):
+                continue
+            for stage in record["stages"].values():
+                if stage["status"] == "ok":
+                    baselines.append(stage["memory"]["baseline_bytes_per_rank"][0])
     assert len(baselines) >= 10
     runtime, source = runtime_bytes(framework, "cpu")
     assert runtime == statistics.median(baselines)

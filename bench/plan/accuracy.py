@@ -61,12 +61,13 @@ def _label(spec: Any) -> str:
 
 
 def in_selection(config: Mapping[str, Any], selection: Mapping[str, Any]) -> bool:
-    """Whether a run's configuration matches a calibration's selection (dotted keys: model.name, seed, ...)."""
+    """Whether a run's configuration matches a calibration's selection (dotted keys: model.name, seed, ...; a
+    list value matches any of its items: model.name=[glm-base,llama-base])."""
     for key, wanted in selection.items():
         value: Any = config
         for part in key.split("."):
             value = value.get(part) if isinstance(value, Mapping) else None
-        if value != wanted:
+        if value not in wanted if isinstance(wanted, list) else value != wanted:
             return False
     return True
 

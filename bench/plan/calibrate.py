@@ -2,7 +2,10 @@
 calibration (bench.plan.calibration) on the selected runs under ROOT and write it next to the framework's
 memory model; print the error before and after, on the fitted runs and on the others.
 
-Example: python -m bench.plan.calibrate results/examples/glm-base --select model.name=glm-base --select seed=1
+Example (what the stored calibrations are: the GPT-2-shaped and the Llama-shaped CPU rungs, seed 1; glm-large
+stays a model the fit never saw):
+  python -m bench.plan.calibrate results/examples/glm-base results/examples/glm-base-amx \
+    results/examples/llama-base --select 'model.name=[glm-base,llama-base]' --select seed=1
 """
 
 from __future__ import annotations
@@ -38,8 +41,13 @@ def _selection(pairs: list[str]) -> dict[str, Any]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"--select {pair!r} must be KEY=VALUE, e.g. seed=1 or model.name=glm-base")
-        out[key] = yaml.safe_load(value)
+            raise ValueError(f"--select {pair!r} must be KEY=VALUE, e.g. seed=1, model.name=glm-base or "
+                             "model.name=[glm-base,llama-base] (any of)")
+        try:
+            out[key] = yaml.safe_load(value)
+        except yaml.YAMLError as error:
+            raise ValueError(f"--select {pair!r}: the value {value!r} is not a YAML scalar or list ({error.problem}); "
+                             "allowed: seed=1, model.name=glm-base, model.name=[glm-base,llama-base]") from None
     return out
 
 
@@ -121,7 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     if missing:
         console.print(f"[red]{', '.join(missing)}: not a directory[/red]")
         return 2
-    selection = _selection(args.select)
+    try:
+        selection = _selection(args.select)
+    except ValueError as error:
+        console.print(str(error), style="red", markup=False)  # the value's brackets are text, not markup
+        return 2
     records = _records(args.root)
     rows = comparisons(records)  # with the calibration now in place; physics is what the fit reads
     source = " + ".join(args.root)
