@@ -103,6 +103,10 @@ def test_two_nodes_record_both_nodes_and_train_as_one_node_with_two_ranks(tmp_pa
     assert _losses(ppo) == _losses(single) and len(_losses(ppo)) == 3
 
 
+# CI time: the survivors notice the lost node after a timeout that varied from 18 to 68 s between CI runs. CI
+# checks the record a lost node leaves from hand-made rank results (tests/test_nodes.py::
+# test_a_lost_node_is_named_with_its_ranks_and_why) and two real nodes above; the real kill runs in the slow tier
+@pytest.mark.slow
 def test_a_killed_node_ends_the_run_with_a_record_naming_it(tmp_path, cache):
     port = _free_port()
     roots = [_root(tmp_path, f"node{k}", cache) for k in (0, 1)]
