@@ -128,7 +128,8 @@ def test_the_driver_runs_the_loop_seam_to_seam_and_times_its_steps() -> None:
     assert driver.advance("step_end") == {"loss": 0.0}
     assert driver.advance("step_end") == {"loss": 1.0}  # passes generation_end on the way
     assert order == ["generate 0", "update 0", "generate 1", "update 1"]
-    assert len(driver.step_seconds) == 2 and all(0.05 <= s < 0.15 for s in driver.step_seconds)
+    # a step that took in the harness's 0.2 s would last at least 0.25 s; below that, scheduling delay on a busy host
+    assert len(driver.step_seconds) == 2 and all(0.05 <= s < 0.25 for s in driver.step_seconds)
     driver.finish()
     assert order[-1] == "end" and driver.finished
 
