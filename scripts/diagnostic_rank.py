@@ -39,6 +39,8 @@ class DiagnosticRank:
         device = resolve_device(spec.launcher.device, local_rank)
         adapter = registry.adapter_class(spec.framework)(spec, RankContext(rank, world, local_rank, device))
         adapter.setup(stage, {})
+        if stage == "ppo":  # as the loop does after a PPO setup: what make_experience does to the RM's scores
+            adapter.set_reward_scaling({})
         data = SyntheticData(spec.model.vocab, spec.prompt_len, spec.answer_len, spec.batch, spec.seed,
                              adapter.data_parallel_rank)
         return cls(spec, stage, rank, device, adapter, data)

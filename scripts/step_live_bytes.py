@@ -11,13 +11,15 @@ Allocations of 256 MiB or more are listed apart: DeepSpeed's reduce bucket is al
     torchrun --standalone --nproc_per_node 2 scripts/step_live_bytes.py framework=trlx stage=rm model=glm-base \
         precision=fp32 zero=2 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
 
-Rank 0 prints; any framework with a memory model; `stage=sft|rm|ppo`.
+Rank 0 prints; any framework with a memory model; `stage=sft|rm|ppo`; in PPO, `PHASE=training` profiles the
+update over a whole step's experience instead (made before the profiled span).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from functools import partial
 
 import psutil
 from torch.profiler import ProfilerActivity, profile
@@ -30,6 +32,7 @@ from bench.run.spec import spec_from_config  # noqa: E402
 from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
+PHASE = os.environ.get("PHASE")  # ppo: experience (default) or training
 WHOLE = 256 * MIB  # allocations this large are buffers allocated whole (a reduce bucket), listed apart
 
 
@@ -66,12 +69,21 @@ def main(overrides: list[str]) -> None:
     run = DiagnosticRank.start(spec)
     stage = run.stage
     run.step(0)  # warm-up: Adam's moments and the engines' lazily made buffers exist from here on
-    phase = "experience" if stage == "ppo" else "training"
-    rollout = run.adapter.generate(run.data.prompts(1)) if stage == "ppo" else None
+    phase = PHASE or ("experience" if stage == "ppo" else "training")
+    if stage != "ppo" and phase != "training":
+        raise SystemExit(f"PHASE={phase}: {stage} profiles its training step only")
+    if stage == "ppo" and phase == "experience":
+        rollout = run.adapter.generate(run.data.prompts(1))
+        work = partial(run.adapter.make_experience, rollout)
+    elif stage == "ppo":  # the update over a whole step's experience, made before the profiled span
+        experiences = [run.experience(1 + k) for k in range(run.adapter.rollouts_per_step())]
+        work = partial(run.adapter.ppo_train, experiences)
+    else:
+        work = partial(run.step, 1)
     reset_high_water()
     rss = psutil.Process().memory_info().rss
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        run.adapter.make_experience(rollout) if rollout is not None else run.step(1)
+        work()
     high_water = resident_high_water(rss)
     peak, peak_small = live_peak([e for e in prof.events() if e.self_cpu_memory_usage])
     terms = (physics(spec, stage, run.device.type) or {}).get(phase)

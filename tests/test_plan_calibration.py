@@ -31,6 +31,25 @@ def test_fit_takes_the_median_per_16_bit_width() -> None:
     assert cal.offset(key, "cpu", 4) == 700 * MiB  # twice as wide, twice the slack
 
 
+def test_a_fitted_model_s_factor_scales_the_pooled_offsets_of_its_stage_and_phase() -> None:
+    full, zero3, init = (calibration.key("rm", "evaluation", "full"), calibration.key("rm", "evaluation", "zero3"),
+                         calibration.key("rm", "init", "full"))
+    # evaluation residuals, MiB: glm 400 (full) and 600 (zero3), llama 200 and 300; the pooled offsets are the
+    # medians, 300 and 450; llama's ratios 200/300 and 300/450 are both 2/3, glm's both 4/3. init: 40 and 20 MiB,
+    # pooled 30, under FACTOR_MIN_BYTES: no ratio is taken of it
+    residuals = [Residual(full, 1400 * MiB, 1000 * MiB, 2, "glm"), Residual(full, 1200 * MiB, 1000 * MiB, 2, "llama"),
+                 Residual(zero3, 1600 * MiB, 1000 * MiB, 2, "glm"), Residual(zero3, 1300 * MiB, 1000 * MiB, 2, "llama"),
+                 Residual(init, 540 * MiB, 500 * MiB, 2, "glm"), Residual(init, 520 * MiB, 500 * MiB, 2, "llama")]
+    cal = calibration.fit("trlx", "cpu", residuals, {})
+    assert cal.offsets_bytes == {full: 300 * MiB, zero3: 450 * MiB, init: 30 * MiB}
+    assert cal.model_factors == pytest.approx({"glm/rm/evaluation": 4 / 3, "llama/rm/evaluation": 2 / 3})
+    assert cal.offset(zero3, "cpu", 2, "llama") == pytest.approx(300 * MiB)
+    assert cal.offset(full, "cpu", 4, "glm") == pytest.approx(800 * MiB)  # 400 per 16 bits, fp32 twice that
+    assert cal.offset(zero3, "cpu", 2, "glm-large") == 450 * MiB  # a model the fit never saw: the pooled offset
+    assert cal.offset(zero3, "cpu") == 450 * MiB
+    assert cal.offset(init, "cpu", 2, "llama") == 30 * MiB  # too small to scale
+
+
 def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:
     cal = Calibration("trlx", "cpu", {"ppo/training/full": 100.0, "ppo/training/zero0": 40.0,
                                       "sft/training/full": 10.0})

@@ -26,6 +26,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 CALIBRATION_FILE = "memory_calibration.json"
+# A pooled offset this small (per 16 bits) is mostly build-time noise (the init phases): no model's ratio to it
+# is taken, and no factor scales it.
+FACTOR_MIN_BYTES = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -37,16 +40,26 @@ class Calibration:
     # what a rank holds before any model exists (interpreter, torch, the engine libraries, process groups): the
     # median of rank 0's post-import baseline over the fitted runs' stages; preflight adds it to the prediction
     runtime_bytes: float | None = None
+    # "model/stage/phase" -> how a fitted model's slack in that phase stands to the pooled offsets: the median,
+    # over its fitted runs there, of its residual over the offset of the run's regime (offsets of at least
+    # FACTOR_MIN_BYTES). Heap slack follows the sizes of the tensors a phase frees, which the architecture sets:
+    # llama-base's RM evaluation keeps 18-40 % less than glm-base's in every regime (docs/planner.md).
+    model_factors: dict[str, float] = field(default_factory=dict)
     method: str = ("per stage, phase and regime (zero3; zero0 where ZeRO-0 is another engine; lora; full): median "
                    "over the fitted runs of (measured - physics) growth over the post-import baseline, busiest rank, "
-                   "per 16-bit value width (doubled in fp32); zero0 without fitted runs takes full's offset")
+                   "per 16-bit value width (doubled in fp32); zero0 without fitted runs takes full's offset; for a "
+                   "fitted model, an offset of 100 MiB or more times the model's factor for the stage and phase "
+                   "(median ratio of its residuals there to the pooled offsets), other models none")
 
-    def offset(self, key: str, device: str, value_bytes: int = 2) -> float:
-        """Bytes added to the physics for a run of `key`'s regime whose values are `value_bytes` wide."""
+    def offset(self, key: str, device: str, value_bytes: int = 2, model: str | None = None) -> float:
+        """Bytes added to the physics for a run of `key`'s regime whose values are `value_bytes` wide; of
+        `model`, scaled by its factor where the fit saw it."""
         if device != self.device:
             return 0.0
         fallback = key.removesuffix("/zero0") + "/full" if key.endswith("/zero0") else key
         per_16_bits = self.offsets_bytes.get(key, self.offsets_bytes.get(fallback, 0.0))
+        if model and abs(per_16_bits) >= FACTOR_MIN_BYTES:
+            per_16_bits *= self.model_factors.get(factor_key(model, key), 1.0)
         return per_16_bits * width(value_bytes)
 
 
@@ -64,24 +77,38 @@ def key(stage: str, phase: str, regime_: str) -> str:
     return f"{stage}/{phase}/{regime_}"
 
 
+def factor_key(model: str, key_: str) -> str:
+    """A model's factor is per stage and phase, shared by the regimes: "llama-base/rm/evaluation"."""
+    return f"{model}/{key_.rsplit('/', 1)[0]}"
+
+
 @dataclass(frozen=True)
 class Residual:
     key: str
     measured: float
     physics: float
     value_bytes: int = 2
+    model: str = ""  # the run's model preset: its factor (none without)
 
 
 def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any],
         runtime_samples: Iterable[float] = ()) -> Calibration:
     """`runtime_samples`: rank 0's post-import baseline of each fitted stage (bytes)."""
+    residuals = list(residuals)
     by_phase: dict[str, list[float]] = {}
     for r in residuals:
         by_phase.setdefault(r.key, []).append((r.measured - r.physics) / width(r.value_bytes))
     offsets = {phase: float(statistics.median(values)) for phase, values in sorted(by_phase.items())}
+    ratios: dict[str, list[float]] = {}
+    for r in residuals:
+        pooled = offsets[r.key]
+        if r.model and abs(pooled) >= FACTOR_MIN_BYTES:
+            ratios.setdefault(factor_key(r.model, r.key), []).append((r.measured - r.physics) / width(r.value_bytes)
+                                                                     / pooled)
     runtime = list(runtime_samples)
     return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on,
-                       runtime_bytes=float(statistics.median(runtime)) if runtime else None)
+                       runtime_bytes=float(statistics.median(runtime)) if runtime else None,
+                       model_factors={k: float(statistics.median(v)) for k, v in sorted(ratios.items())})
 
 
 def path_for(framework_package: str) -> str:

@@ -46,8 +46,8 @@ def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
         return None
     cal = calibration.load(registry.package(spec.framework)) if calibrated else None
     regime, value_bytes = regime_of(spec), dtype_bytes(spec.precision)
-    return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device, value_bytes)
-                                   if cal else 0.0)
+    return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device, value_bytes,
+                                                 spec.model.name) if cal else 0.0)
             for phase, t in terms.items()}
 
 
