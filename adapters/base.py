@@ -83,6 +83,9 @@ def optimizer_step_count(optimizer: Any) -> int:
     optimizer = torch_optimizer(optimizer)
     if optimizer is None:
         return 0
+    inner = getattr(optimizer, "optim", None)
+    if not optimizer.state and isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner  # torch's ZeroRedundancyOptimizer keeps its rank's shard, and its steps, in the local one
     steps = [float(state["step"]) for state in optimizer.state.values() if "step" in state]
     return int(max(steps)) if steps else 0
 
