@@ -49,6 +49,8 @@ def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, fr
     assert drifted == {}, f"{framework}: stored -> refit offsets differ (bytes): {json.dumps(drifted)}; " \
                           "run python -m bench.plan.calibrate " + " ".join(
                               roots + [f"--select {k}={v}" for k, v in cal.fitted_on["selection"].items()])
+    # each fitted model's factor per stage and phase, refit from the same runs
+    assert fitted.model_factors == pytest.approx(cal.model_factors, rel=1e-9), f"{framework}: stored factors are stale"
 
 
 def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:

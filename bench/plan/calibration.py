@@ -7,7 +7,10 @@ freed tensors leave behind is as wide as they are). Regimes: `zero3` (parameters
 measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framework's ZeRO-0 is another engine
 (trlx: accelerate's DDP with fp32 weights and autocast; its memory model says so with ZERO0_OWN_ENGINE;
 without fitted runs it takes `full`'s offset), `lora` (many small trained tensors: a different allocator
-pattern) and `full`. What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
+pattern) and `full`. For each model the fit saw, a factor per stage and phase scales the offsets of 100 MiB or
+more: the median ratio of that model's residuals there to the pooled offsets (the architecture sets the sizes of
+the tensors a phase frees, and so its slack); a model the fit never saw takes the pooled offsets.
+What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
 later phase reuses or that fragmentation pins: torch's own live bytes over a trlx RM step peak at the
 activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp32
 (scripts/step_live_bytes.py), while RSS rises some 380 and 690 MiB further), communication buffers the physics
