@@ -125,3 +125,26 @@ def test_the_rm_loss_spans_the_tokens_from_where_the_pair_differs_to_the_later_e
                 - torch.nn.functional.logsigmoid(torch.tensor(0.0))) / 2
     loss = pairwise_loss(chosen, rejected, chosen_v, rejected_v, chosen_mask, rejected_mask)
     assert torch.isclose(loss, expected)
+
+
+def test_zero1_steps_are_counted_from_the_local_optimizer_that_holds_them(tmp_path):
+    """ZeroRedundancyOptimizer keeps its shard's state, and so the step counts, in its local optimizer (`.optim`);
+    its own `state` stays empty. Stepped twice, the reference's ZeRO-1 has taken two steps, not none."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from adapters.base import optimizer_step_count
+
+    assert not dist.is_initialized(), "a process group left by another test in this worker"
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        layer = torch.nn.Linear(4, 2)
+        zero1 = ZeroRedundancyOptimizer(layer.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-3)
+        assert optimizer_step_count(zero1) == 0
+        for _ in range(2):
+            layer(torch.ones(3, 4)).sum().backward()
+            zero1.step()
+        assert not zero1.state  # what made the count read 0 before it looked inside
+        assert optimizer_step_count(zero1) == 2
+    finally:
+        dist.destroy_process_group()
