@@ -14,6 +14,7 @@ from bench.plan.physics import (
     logits_bytes,
     peak,
 )
+from bench.run.families import MEANINGS
 
 GLM_BASE = Arch(hidden=768, layers=12, heads=12, vocab=30592, positions=512)
 GLM_10B = Arch(hidden=4096, layers=48, heads=64, vocab=50304, positions=1024)
@@ -203,3 +204,45 @@ def test_terms_add_and_peak():
     a, b = Terms(params=1, host=5), Terms(params=2, activations=3)
     assert (a + b).device == 6 and (a + b).host == 5
     assert peak(a, b) is b
+
+
+def test_lora_dropout_keeps_a_dropped_copy_and_a_mask_per_adapted_module_by_hand():
+    llama_base = Arch(hidden=768, layers=12, heads=12, vocab=32000, positions=2048, family="llama", kv_heads=4,
+                      intermediate=2048)
+    # q and v (peft's Llama default): two modules reading h each -> 2 dropped copies + 2 masks = 4 h-values on the
+    # CPU (the mask in bf16), 2 x (1 + 1/2) = 3 on CUDA (1-byte masks); linear_inputs shares one: 1
+    assert llama_base.lora_dropout_inputs(("q", "v"), "cpu", 2) == 4
+    assert llama_base.lora_dropout_inputs(("q", "v"), "cuda", 2) == 3
+    assert llama_base.linear_inputs(("q", "v")) == 1
+    # all seven: six modules read h, down reads i = 2048 -> (6 + 2048/768) x 2
+    assert llama_base.lora_dropout_inputs(MEANINGS, "cpu", 2) == pytest.approx((6 + 2048 / 768) * 2)
+    # GPT-2's q, k, v are one module (c_attn): one dropout, one copy
+    assert GLM_BASE.lora_dropout_inputs(("q", "k", "v"), "cpu", 2) == 2
+
+
+@pytest.mark.parametrize("targets", [("q", "v"), MEANINGS])
+def test_peft_lora_dropout_saves_match_autograd(targets):
+    """Autograd's saved tensors of one llama block with peft LoRA (r 8, dropout 0.1 as trlx's), bf16, on this
+    machine's torch, transformers and peft: the physics with lora_dropout_inputs in place of linear_inputs."""
+    from peft import LoraConfig, get_peft_model
+
+    from bench.run.families import family as family_of
+    from bench.run.models import CLASSES, family_config
+    from bench.run.spec import ModelSpec
+
+    batch, seq = 2, 128
+    arch = Arch(hidden=256, layers=1, heads=4, vocab=512, positions=256, family="llama", kv_heads=2, intermediate=512)
+    modules = sorted({family_of("llama").modules[m] for m in targets})
+
+    def build(layers: int):
+        spec = ModelSpec(name="census", path=None, hidden=256, layers=layers, heads=4, vocab=512, positions=256,
+                         dropout=0.0, lr={"sft": 1, "rm": 1, "actor": 1, "critic": 1}, arch="llama", kv_heads=2,
+                         intermediate=512)
+        model = CLASSES["llama"][2](family_config(spec))
+        return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.1, target_modules=modules))
+
+    measured = _one_block_saves(build, arch.vocab, batch, seq)
+    predicted = layer_saved_bytes(arch, batch, seq, 2, linear_inputs=arch.lora_dropout_inputs(targets, "cpu", 2),
+                                  trained_norms=False)
+    # lora_A's outputs (r values per module) and the norms' rsqrt are left out: under 1 %
+    assert measured == pytest.approx(predicted, rel=0.01)

@@ -54,8 +54,13 @@ def _targets(shape: RunShape) -> tuple[str, ...]:
 
 
 def _linear_inputs(shape: RunShape) -> float:
-    """What the block's linear maps keep for gradients: all of them without LoRA, else the adapted ones."""
-    return shape.arch.linear_inputs(_targets(shape)) if shape.lora else shape.arch.linear_inputs()
+    """What the block's linear maps keep for gradients: all of them without LoRA, else the adapted ones (with
+    peft's LoRA dropout, 0.1 in trlx's peft example, a dropped copy and a mask per adapted module)."""
+    if not shape.lora:
+        return shape.arch.linear_inputs()
+    if (shape.options.get("lora") or {}).get("dropout", 0) > 0:
+        return shape.arch.lora_dropout_inputs(_targets(shape), shape.device, shape.value_bytes)
+    return shape.arch.linear_inputs(_targets(shape))
 
 
 def _full_reference(shape: RunShape) -> bool:

@@ -160,6 +160,16 @@ class Arch:
         1 + 4 = 7."""
         return sum(d_in for d_in, _ in self._inputs(targets).values()) / self.hidden
 
+    def lora_dropout_inputs(self, targets: tuple[str, ...], device: str, bytes_per_value: int) -> float:
+        """h-values per token (in the compute dtype) peft's LoRA keeps for its gradients with dropout on, in place of
+        linear_inputs: each adapted module drops its input on its own and lora_A's weight gradient keeps that
+        dropped copy, so modules that read one tensor no longer share it (Llama's q and v: 2 where linear_inputs
+        counts 1), and each dropout keeps its mask for the input's gradient -- on the CPU a noise tensor in the
+        input's dtype (ATen's unfused dropout multiplies by it), on CUDA the fused kernel's 1-byte mask. Counted in
+        every block (the first block's input needs no gradient and keeps no masks: 1/layers of them over)."""
+        dropped = sum(d_in for d_in, _ in self._modules(targets).values()) / self.hidden
+        return dropped * (2 if device == "cpu" else 1 + 1 / bytes_per_value)
+
     def _inputs(self, targets: tuple[str, ...]) -> dict[str, tuple[int, int]]:
         groups = {"q": "qkv", "k": "qkv", "v": "qkv", "o": "o", "gate": "mlp_in", "up": "mlp_in", "down": "down"}
         return {groups[m]: self.linear_shape(m) for m in self.traits.meanings if m in targets}
