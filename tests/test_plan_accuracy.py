@@ -1,6 +1,7 @@
 """The memory model against real runs on every CI run, out of sample: per framework a glm-base cell whose shape
-(batch 3, 64 + 96 tokens) no calibration offset was fitted on (the offsets come from the curated sweep's seed-1
-runs, all at batch 2 with 128 + 128 tokens), each phase's calibrated prediction within 15 % of the measured
+(batch 3, 64 + 96 tokens) no calibration offset was fitted on (the offsets come from the curated CPU rungs'
+seed-1 runs, glm-base's all at batch 2 with 128 + 128 tokens, llama-base's at batch 2 and 4; at 480 tokens the
+batch shares scale them by 1 - s/16), each phase's calibrated prediction within 15 % of the measured
 growth. The full check over the curated sweep is the report's predicted-vs-measured table and
 `python -m bench.plan.calibrate`."""
 

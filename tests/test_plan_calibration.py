@@ -50,6 +50,61 @@ def test_a_fitted_model_s_factor_scales_the_pooled_offsets_of_its_stage_and_phas
     assert cal.offset(init, "cpu", 2, "llama") == 30 * MiB  # too small to scale
 
 
+def test_a_batch_share_is_how_a_pair_s_residuals_grow_with_the_tokens() -> None:
+    key = calibration.key("rm", "training", "full")
+
+    def at(residual_mib: float, tokens: int) -> Residual:
+        return Residual(key, (1000 + residual_mib) * MiB, 1000 * MiB, 2, "", tokens, "pair")
+
+    # 200 MiB at the reference (512 tokens), 300 at twice it: half the slack grows with the tokens
+    assert calibration.batch_share(at(200, 512), at(300, 1024)) == pytest.approx(0.5)
+    # 350 at three times the reference: 1 + 2s = 350 / 200, s = 0.375
+    assert calibration.batch_share(at(200, 512), at(350, 1536)) == pytest.approx(0.375)
+    # neither at the reference: 300 at x = 2 and 400 at x = 4; (1 + 3s) / (1 + s) = 4/3 gives s = 0.2
+    assert calibration.batch_share(at(300, 1024), at(400, 2048)) == pytest.approx(0.2)
+
+
+def test_offsets_are_stated_at_the_reference_micro_batch_and_a_share_grows_with_the_tokens() -> None:
+    full, lora, init = (calibration.key("rm", "training", "full"), calibration.key("rm", "training", "lora"),
+                        calibration.key("rm", "init", "full"))
+
+    def run(key: str, residual_mib: float, tokens: int, pair: str) -> Residual:
+        return Residual(key, (1000 + residual_mib) * MiB, 1000 * MiB, 2, "", tokens, pair)
+
+    residuals = [
+        run(full, 200, 512, "a"), run(full, 300, 1024, "a"),  # share 0.5
+        run(lora, 400, 512, "b"), run(lora, 500, 1024, "b"),  # share 0.25
+        run(lora, 100, 512, "c"), run(lora, 250, 1024, "c"),  # share 1.5
+        run(full, 50, 512, "d"), run(full, 500, 1024, "d"),  # under FACTOR_MIN_BYTES at the smaller: no share
+        run(full, 200, 512, "e"), run(full, 300, 1024, "f"),  # two configurations: no pair
+        run(init, 300, 512, "a"), run(init, 300, 1024, "a"),  # another phase: its own share, none
+    ]
+    cal = calibration.fit("dschat", "cpu", residuals, {})
+    # rm/training's shares 0.5, 0.25 and 1.5: median 0.5; at 1024 tokens a residual is 1.5x its reference value
+    assert cal.batch_shares == {"rm/init": 0.0, "rm/training": 0.5}
+    # full at the reference: 200, 300 / 1.5, 50, 500 / 1.5, 200, 300 / 1.5 -> 50, 200 x 4, 333.3: median 200
+    # lora: 400, 500 / 1.5, 100, 250 / 1.5 -> 100, 166.7, 333.3, 400: median 250
+    assert cal.offsets_bytes[full] == pytest.approx(200 * MiB)
+    assert cal.offsets_bytes[lora] == pytest.approx(250 * MiB)
+    assert cal.offsets_bytes[init] == pytest.approx(300 * MiB)
+    assert cal.offset(full, "cpu", 2, None, 1024) == pytest.approx(300 * MiB)
+    assert cal.offset(lora, "cpu", 2, None, 768) == pytest.approx(250 * 1.25 * MiB)
+    assert cal.offset(lora, "cpu", 4, None, 256) == pytest.approx(2 * 250 * 0.75 * MiB)  # fp32, half the tokens
+    assert cal.offset(lora, "cpu") == pytest.approx(250 * MiB)  # no tokens named: the reference
+    assert cal.offset(init, "cpu", 2, None, 2048) == pytest.approx(300 * MiB)
+
+
+def test_batch_shares_are_clamped_between_none_and_all_of_the_slack() -> None:
+    key = calibration.key("ppo", "training", "full")
+
+    def pair(low_mib: float, high_mib: float) -> list[Residual]:
+        return [Residual(key, (1000 + v) * MiB, 1000 * MiB, 2, "", t, "p") for v, t in ((low_mib, 512),
+                                                                                          (high_mib, 1024))]
+
+    assert calibration.batch_shares(pair(200, 150)) == {"ppo/training": 0.0}  # share -0.25: slack never shrinks
+    assert calibration.batch_shares(pair(200, 700)) == {"ppo/training": 1.0}  # share 2.5: none grows faster
+
+
 def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:
     cal = Calibration("trlx", "cpu", {"ppo/training/full": 100.0, "ppo/training/zero0": 40.0,
                                       "sft/training/full": 10.0})

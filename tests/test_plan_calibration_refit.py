@@ -51,6 +51,8 @@ def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, fr
                               roots + [f"--select {k}={v}" for k, v in cal.fitted_on["selection"].items()])
     # each fitted model's factor per stage and phase, refit from the same runs
     assert fitted.model_factors == pytest.approx(cal.model_factors, rel=1e-9), f"{framework}: stored factors are stale"
+    assert fitted.batch_shares == pytest.approx(cal.batch_shares, rel=1e-9), f"{framework}: stored shares are stale"
+    assert fitted.reference_tokens == cal.reference_tokens
 
 
 def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:
@@ -90,3 +92,21 @@ def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored
     assert runtime == statistics.median(baselines)
     assert 300 * 2**20 < runtime < 500 * 2**20 and "median post-import baseline" in source
     assert runtime_bytes(framework, "cuda") == (0.0, f"not counted: no {framework} records on cuda to measure it from")
+
+
+def test_the_llama_rung_pairs_each_regime_s_batch_2_and_batch_4_runs():
+    """The rung's design (scripts/llama_rung.sh): full fine-tuning and LoRA 64 at ZeRO-2 with batch 2 and 4, ZeRO-3
+    at batch 2 only, for DS-Chat, ColossalChat (no ZeRO-3: Gemini needs CUDA) and trlx, 128 + 128 tokens; so the
+    batch shares are fitted on 3 x 3 x 2 = 18 pairs at 2 x 256 and 4 x 256 tokens, and the 6 ZeRO-3 stages pair
+    with nothing. glm-base ran every configuration at batch 2: no pairs."""
+    from collections import defaultdict
+
+    records = _records([str(REPO / "results/examples/llama-base"), str(REPO / GPT2_LADDER)])
+    tokens: dict[tuple[str, str, str, str], set[int]] = defaultdict(set)
+    for row in comparisons(records):
+        if row.seed == 1:
+            tokens[(row.model, row.framework, row.stage, row.batch_pair)].add(row.tokens)
+    llama = [t for (model, *_), t in tokens.items() if model == "llama-base"]
+    assert sorted(len(t) for t in llama) == [1] * 6 + [2] * 18
+    assert all(t == {512, 1024} for t in llama if len(t) == 2)
+    assert {frozenset(t) for (model, *_), t in tokens.items() if model == "glm-base"} == {frozenset({512})}

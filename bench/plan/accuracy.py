@@ -15,7 +15,7 @@ from typing import Any
 from bench.plan import calibration
 from bench.plan.calibration import Calibration
 from bench.plan.physics import dtype_bytes
-from bench.plan.predict import predict_stage, regime_of
+from bench.plan.predict import micro_batch_tokens, predict_stage, regime_of
 from bench.results.collect import cell_config, cell_id
 from bench.run.spec import SpecError, spec_from_config
 
@@ -35,6 +35,8 @@ class Comparison:
     measured: float
     physics: float
     predicted: float
+    tokens: int = calibration.REFERENCE_TOKENS  # a micro-batch's: the calibration's batch share scales with them
+    batch_pair: str = ""  # the configuration apart from its micro-batch: runs sharing it pair for the batch share
 
     @property
     def error(self) -> float:
@@ -52,6 +54,15 @@ class Comparison:
 def _cell(record: dict[str, Any], stage: str) -> str:
     """The report's cell (the whole configuration minus seed and bookkeeping, prerequisite paths as "given")."""
     return cell_id(cell_config(record, stage))
+
+
+def _batch_pair(record: dict[str, Any], stage: str) -> str:
+    """The cell apart from the micro-batch's size (batch, the global batch it sets, prompt and answer lengths)."""
+    config = cell_config(record, stage)
+    return cell_id({k: v for k, v in config.items() if k not in MICRO_BATCH_KEYS})
+
+
+MICRO_BATCH_KEYS = ("batch", "global_batch", "prompt_len", "answer_len")
 
 
 def _label(spec: Any) -> str:
@@ -99,7 +110,8 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
                 p = predicted[phase]
                 out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
                                       regime_of(spec), dtype_bytes(spec.precision), _cell(record, stage),
-                                      _label(spec), measured, p.physics.device, p.predicted))
+                                      _label(spec), measured, p.physics.device, p.predicted,
+                                      micro_batch_tokens(spec), _batch_pair(record, stage)))
     return out
 
 

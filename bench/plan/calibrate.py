@@ -52,11 +52,13 @@ def _selection(pairs: list[str]) -> dict[str, Any]:
 
 
 def _residuals(rows: list[Comparison]) -> list[calibration.Residual]:
-    return [calibration.Residual(r.key, r.measured, r.physics, r.value_bytes, r.model) for r in rows]
+    return [calibration.Residual(r.key, r.measured, r.physics, r.value_bytes, r.model, r.tokens, r.batch_pair)
+            for r in rows]
 
 
 def _apply(rows: list[Comparison], cal: calibration.Calibration, device: str) -> list[Comparison]:
-    return [replace(r, predicted=r.physics + cal.offset(r.key, device, r.value_bytes, r.model)) for r in rows]
+    return [replace(r, predicted=r.physics + cal.offset(r.key, device, r.value_bytes, r.model, r.tokens))
+            for r in rows]
 
 
 def _leave_one_out(rows: list[Comparison], chosen: set[str], framework: str, device: str) -> list[Comparison]:

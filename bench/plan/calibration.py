@@ -9,7 +9,11 @@ measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framewo
 without fitted runs it takes `full`'s offset), `lora` (many small trained tensors: a different allocator
 pattern) and `full`. For each model the fit saw, a factor per stage and phase scales the offsets of 100 MiB or
 more: the median ratio of that model's residuals there to the pooled offsets (the architecture sets the sizes of
-the tensors a phase frees, and so its slack); a model the fit never saw takes the pooled offsets.
+the tensors a phase frees, and so its slack); a model the fit never saw takes the pooled offsets. Offsets are
+stated at REFERENCE_TOKENS tokens a micro-batch; a share per stage and phase of a run's offset grows in
+proportion to its micro-batch's tokens (the slack of freed activations grows with them, build-time slack does
+not): fitted from runs that differ only in the micro-batch, the median over such pairs of how their residuals
+grow, between none and all of it.
 What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
 later phase reuses or that fragmentation pins: torch's own live bytes over a trlx RM step peak at the
 activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp32
@@ -32,6 +36,8 @@ CALIBRATION_FILE = "memory_calibration.json"
 # A pooled offset this small (per 16 bits) is mostly build-time noise (the init phases): no model's ratio to it
 # is taken, and no factor scales it.
 FACTOR_MIN_BYTES = 100 * 2**20
+# The micro-batch both CPU rungs' batch-2 configurations run (2 x (128 + 128) tokens): offsets are stated there.
+REFERENCE_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -48,22 +54,37 @@ class Calibration:
     # FACTOR_MIN_BYTES). Heap slack follows the sizes of the tensors a phase frees, which the architecture sets:
     # llama-base's RM evaluation keeps 18-40 % less than glm-base's in every regime (docs/planner.md).
     model_factors: dict[str, float] = field(default_factory=dict)
+    # "stage/phase" -> the share of its offset that grows in proportion to a run's tokens a micro-batch (0: none,
+    # 1: all): the median over fitted pairs that differ only in the micro-batch (batch_share). On llama-base RM
+    # training's slack grows 1.5-1.7x from batch 2 to 4 in every framework and regime (docs/planner.md).
+    batch_shares: dict[str, float] = field(default_factory=dict)
+    reference_tokens: int = REFERENCE_TOKENS
     method: str = ("per stage, phase and regime (zero3; zero0 where ZeRO-0 is another engine; lora; full): median "
                    "over the fitted runs of (measured - physics) growth over the post-import baseline, busiest rank, "
                    "per 16-bit value width (doubled in fp32); zero0 without fitted runs takes full's offset; for a "
                    "fitted model, an offset of 100 MiB or more times the model's factor for the stage and phase "
-                   "(median ratio of its residuals there to the pooled offsets), other models none")
+                   "(median ratio of its residuals there to the pooled offsets), other models none; stated at "
+                   "reference_tokens a micro-batch, a share per stage and phase growing with the micro-batch's tokens "
+                   "(median over fitted pairs differing only in the micro-batch, clamped to [0, 1])")
 
-    def offset(self, key: str, device: str, value_bytes: int = 2, model: str | None = None) -> float:
+    def offset(self, key: str, device: str, value_bytes: int = 2, model: str | None = None,
+               tokens: int | None = None) -> float:
         """Bytes added to the physics for a run of `key`'s regime whose values are `value_bytes` wide; of
-        `model`, scaled by its factor where the fit saw it."""
+        `model`, scaled by its factor where the fit saw it; at `tokens` a micro-batch (None: the reference),
+        its stage and phase's share scaled with them."""
         if device != self.device:
             return 0.0
         fallback = key.removesuffix("/zero0") + "/full" if key.endswith("/zero0") else key
         per_16_bits = self.offsets_bytes.get(key, self.offsets_bytes.get(fallback, 0.0))
         if model and abs(per_16_bits) >= FACTOR_MIN_BYTES:
             per_16_bits *= self.model_factors.get(factor_key(model, key), 1.0)
-        return per_16_bits * width(value_bytes)
+        return per_16_bits * width(value_bytes) * self.batch_scale(key, tokens)
+
+    def batch_scale(self, key: str, tokens: int | None) -> float:
+        """How a run at `tokens` a micro-batch scales `key`'s offset stated at the reference."""
+        if tokens is None:
+            return 1.0
+        return 1.0 + self.batch_shares.get(stage_phase(key), 0.0) * (tokens / self.reference_tokens - 1.0)
 
 
 def width(value_bytes: int) -> float:
@@ -80,9 +101,14 @@ def key(stage: str, phase: str, regime_: str) -> str:
     return f"{stage}/{phase}/{regime_}"
 
 
+def stage_phase(key_: str) -> str:
+    """"rm/evaluation" of "rm/evaluation/lora"."""
+    return key_.rsplit("/", 1)[0]
+
+
 def factor_key(model: str, key_: str) -> str:
     """A model's factor is per stage and phase, shared by the regimes: "llama-base/rm/evaluation"."""
-    return f"{model}/{key_.rsplit('/', 1)[0]}"
+    return f"{model}/{stage_phase(key_)}"
 
 
 @dataclass(frozen=True)
@@ -92,26 +118,62 @@ class Residual:
     physics: float
     value_bytes: int = 2
     model: str = ""  # the run's model preset: its factor (none without)
+    tokens: int = REFERENCE_TOKENS  # a micro-batch's: batch x (prompt + answer)
+    # the run's configuration apart from its micro-batch (batch and lengths) and seed: runs sharing it, at other
+    # tokens, make the pairs a batch share is fitted on ("": in none)
+    batch_pair: str = ""
+
+    @property
+    def per_16_bits(self) -> float:
+        return (self.measured - self.physics) / width(self.value_bytes)
+
+
+def batch_share(low: Residual, high: Residual, reference_tokens: int = REFERENCE_TOKENS) -> float:
+    """The share s of the offset that grows with the tokens, from two runs of one configuration at two micro-batch
+    sizes: their residuals r stand as (1 + s (x_low - 1)) to (1 + s (x_high - 1)), x = tokens / reference."""
+    x_low, x_high = low.tokens / reference_tokens, high.tokens / reference_tokens
+    r_low, r_high = low.per_16_bits, high.per_16_bits
+    return (r_high - r_low) / (r_low * (x_high - 1.0) - r_high * (x_low - 1.0))
+
+
+def batch_shares(residuals: Iterable[Residual], reference_tokens: int = REFERENCE_TOKENS) -> dict[str, float]:
+    """Per stage and phase, the median share over pairs of runs that differ only in the micro-batch (the smaller
+    one's residual at least FACTOR_MIN_BYTES: a share of build-time noise means nothing), clamped to [0, 1]: no
+    slack shrinks with the micro-batch on average, none grows faster than it."""
+    groups: dict[tuple[str, str, str], list[Residual]] = {}
+    for r in residuals:
+        if r.batch_pair:
+            groups.setdefault((r.key, r.model, r.batch_pair), []).append(r)
+    shares: dict[str, list[float]] = {}
+    for runs in groups.values():
+        for low in runs:
+            for high in runs:
+                if high.tokens > low.tokens and abs(low.per_16_bits) >= FACTOR_MIN_BYTES:
+                    shares.setdefault(stage_phase(low.key), []).append(batch_share(low, high, reference_tokens))
+    return {k: min(1.0, max(0.0, float(statistics.median(v)))) for k, v in sorted(shares.items())}
 
 
 def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any],
         runtime_samples: Iterable[float] = ()) -> Calibration:
     """`runtime_samples`: rank 0's post-import baseline of each fitted stage (bytes)."""
     residuals = list(residuals)
+    shares = Calibration(framework, device, {}, batch_shares=batch_shares(residuals))
+    # each residual brought to the reference micro-batch before the medians
+    at_reference = [(r, r.per_16_bits / shares.batch_scale(r.key, r.tokens)) for r in residuals]
     by_phase: dict[str, list[float]] = {}
-    for r in residuals:
-        by_phase.setdefault(r.key, []).append((r.measured - r.physics) / width(r.value_bytes))
+    for r, value in at_reference:
+        by_phase.setdefault(r.key, []).append(value)
     offsets = {phase: float(statistics.median(values)) for phase, values in sorted(by_phase.items())}
     ratios: dict[str, list[float]] = {}
-    for r in residuals:
+    for r, value in at_reference:
         pooled = offsets[r.key]
         if r.model and abs(pooled) >= FACTOR_MIN_BYTES:
-            ratios.setdefault(factor_key(r.model, r.key), []).append((r.measured - r.physics) / width(r.value_bytes)
-                                                                     / pooled)
+            ratios.setdefault(factor_key(r.model, r.key), []).append(value / pooled)
     runtime = list(runtime_samples)
     return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on,
                        runtime_bytes=float(statistics.median(runtime)) if runtime else None,
-                       model_factors={k: float(statistics.median(v)) for k, v in sorted(ratios.items())})
+                       model_factors={k: float(statistics.median(v)) for k, v in sorted(ratios.items())},
+                       batch_shares=shares.batch_shares)
 
 
 def path_for(framework_package: str) -> str:

@@ -17,7 +17,8 @@ MiB = 2 ** 20
 METHOD = ("bytes each phase adds over the post-import baseline on the busiest rank: the framework's memory model "
           "(adapters/<framework>/memory.py: parameter counts, dtypes, ZeRO partitioning, the tensors each phase "
           "keeps alive, the stand-in's saved activations) = physics, plus the framework's calibration offset "
-          "(adapters/<framework>/memory_calibration.json) = predicted; error = (predicted - measured) / measured")
+          "(adapters/<framework>/memory_calibration.json; its batch share scaled by the run's tokens a micro-batch) = "
+          "predicted; error = (predicted - measured) / measured")
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,14 @@ def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
     cal = calibration.load(registry.package(spec.framework)) if calibrated else None
     regime, value_bytes = regime_of(spec), dtype_bytes(spec.precision)
     return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device, value_bytes,
-                                                 spec.model.name) if cal else 0.0)
+                                                 spec.model.name, micro_batch_tokens(spec)) if cal else 0.0)
             for phase, t in terms.items()}
+
+
+def micro_batch_tokens(spec: RunSpec) -> int:
+    """Tokens a micro-batch of `spec` carries, batch x (prompt + answer): what the calibration's batch share
+    scales with."""
+    return spec.batch * (spec.prompt_len + spec.answer_len)
 
 
 def regime_of(spec: RunSpec) -> str:

@@ -59,7 +59,8 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
                         f"({c.fitted_on.get('runs')} runs)" for f, c in sorted(cals.items()) if c)
     method = ("Growth over the post-import baseline on the busiest rank, MiB: measured, and predicted by each "
               "framework's memory model (adapters/<framework>/memory.py, physics) plus its calibration offset "
-              "(adapters/<framework>/memory_calibration.json), the current model applied to every record's "
+              "(adapters/<framework>/memory_calibration.json; its batch share scaled by the run's tokens a "
+              "micro-batch), the current model applied to every record's "
               "configuration. MAE = mean |predicted - measured| / measured, before (physics) and after calibration; "
               f"within = figures within {TOLERANCE:.0%}. Splits, most out-of-sample first: leave one configuration "
               "out (each fitted configuration predicted by a calibration fitted without it), other model (a model "
