@@ -4,6 +4,8 @@ Values worked by hand in each test."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from bench.plan import calibration
@@ -103,6 +105,12 @@ def test_batch_shares_are_clamped_between_none_and_all_of_the_slack() -> None:
 
     assert calibration.batch_shares(pair(200, 150)) == {"ppo/training": 0.0}  # share -0.25: slack never shrinks
     assert calibration.batch_shares(pair(200, 700)) == {"ppo/training": 1.0}  # share 2.5: none grows faster
+
+    # 200 MiB at half the reference, -400 at twice it: (1 - 0.5 s) / (1 + s) = -0.5 has no solution (1 = -0.5);
+    # the denominator 200 x 1 - (-400) x (-0.5) is 0, and the pair gives no share
+    odd = [Residual(key, (1000 + v) * MiB, 1000 * MiB, 2, "", t, "q") for v, t in ((200, 256), (-400, 1024))]
+    assert math.isnan(calibration.batch_share(*odd))
+    assert calibration.batch_shares(odd + pair(200, 250)) == {"ppo/training": 0.25}
 
 
 def test_offsets_apply_on_their_device_and_zero0_falls_back_to_full() -> None:

@@ -26,6 +26,7 @@ fitted on; the report shows the error with and without it, on the runs it was fi
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 from collections.abc import Iterable
@@ -130,10 +131,12 @@ class Residual:
 
 def batch_share(low: Residual, high: Residual, reference_tokens: int = REFERENCE_TOKENS) -> float:
     """The share s of the offset that grows with the tokens, from two runs of one configuration at two micro-batch
-    sizes: their residuals r stand as (1 + s (x_low - 1)) to (1 + s (x_high - 1)), x = tokens / reference."""
+    sizes: their residuals r stand as (1 + s (x_low - 1)) to (1 + s (x_high - 1)), x = tokens / reference; NaN
+    where no share gives that ratio (residuals of opposite signs that would need the scale to pass through 0)."""
     x_low, x_high = low.tokens / reference_tokens, high.tokens / reference_tokens
     r_low, r_high = low.per_16_bits, high.per_16_bits
-    return (r_high - r_low) / (r_low * (x_high - 1.0) - r_high * (x_low - 1.0))
+    denominator = r_low * (x_high - 1.0) - r_high * (x_low - 1.0)
+    return (r_high - r_low) / denominator if denominator else math.nan
 
 
 def batch_shares(residuals: Iterable[Residual], reference_tokens: int = REFERENCE_TOKENS) -> dict[str, float]:
@@ -149,7 +152,9 @@ def batch_shares(residuals: Iterable[Residual], reference_tokens: int = REFERENC
         for low in runs:
             for high in runs:
                 if high.tokens > low.tokens and abs(low.per_16_bits) >= FACTOR_MIN_BYTES:
-                    shares.setdefault(stage_phase(low.key), []).append(batch_share(low, high, reference_tokens))
+                    share = batch_share(low, high, reference_tokens)
+                    if math.isfinite(share):
+                        shares.setdefault(stage_phase(low.key), []).append(share)
     return {k: min(1.0, max(0.0, float(statistics.median(v)))) for k, v in sorted(shares.items())}
 
 
