@@ -2,9 +2,10 @@
 # The Llama-shaped CPU rung of the memory model: llama-base (124.7 M parameters; RMSNorm, SwiGLU, rotary
 # positions, an untied head) on 2 ranks, 128 prompt + 128 answer tokens, 4 steps with 1 warm-up step, seed 1:
 # SFT, RM and PPO of DS-Chat, ColossalChat and trlx (the frameworks with a memory model) in each of the
-# calibration's regimes: full fine-tuning at ZeRO-2 and LoRA 64 at ZeRO-2, each with batch 2 and with batch 4
-# (two configurations of a regime, so leaving one out leaves the other to fit on), and ZeRO-3 (coati's Gemini
-# needs CUDA: `unsupported` in seconds). About 4.5 hours of this 2-core machine (trlx's PPO about half of it).
+# calibration's regimes: full fine-tuning at ZeRO-2, LoRA 64 at ZeRO-2 and full fine-tuning at ZeRO-3, each with
+# batch 2 and with batch 4 (two configurations of a regime, so leaving one out leaves the other to fit on, and a
+# pair the calibration's batch shares are fitted on; coati's Gemini needs CUDA: its ZeRO-3 is `unsupported` in
+# seconds). About 5 hours of this 2-core machine (trlx's PPO about half of it).
 # The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
 # runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that
 # spans sessions finishes at the commit it began at while the branch moves on. Re-running at the same commit
@@ -46,6 +47,7 @@ cells=(
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=2"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=4"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=2"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=4"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=2"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
