@@ -35,8 +35,8 @@ class Comparison:
     measured: float
     physics: float
     predicted: float
-    tokens: int = calibration.REFERENCE_TOKENS  # a micro-batch's: the calibration's batch share scales with them
-    batch_pair: str = ""  # the configuration apart from its micro-batch: runs sharing it pair for the batch share
+    tokens: int  # a micro-batch's: the calibration's batch share scales with them
+    batch_pair: str  # the configuration apart from its micro-batch: runs sharing it pair for the batch share
 
     @property
     def error(self) -> float:
