@@ -176,8 +176,9 @@ class MemoryTracker:
 
     @property
     def method(self) -> str:
-        release = ("; before each phase gc.collect() (objects alive after init frozen) and, where resident memory "
-                   "is over 4 MiB above the phase's own last peak, malloc_trim(0) (the sample's heap_trimmed) on the "
+        release = ("; before each phase gc.collect() (objects alive after init frozen) and, where another phase "
+                   "ran last or resident memory is over 4 MiB above the phase's own last peak, malloc_trim(0) (the "
+                   "sample's heap_trimmed) on the "
                    f"phase's first two runs and so that at least one run in every {self.release_every} starts from "
                    "its own floor (memory_release_every); a run left above it records no host peak "
                    "(peak_upper_bound_bytes instead)")
@@ -203,9 +204,13 @@ class MemoryTracker:
         """Prepares to measure `phase`; returns whether the freed heap was handed back to the kernel first.
 
         Garbage first: unreachable cycles are collected, so that tensors only they hold do not count. Then the
-        heap malloc keeps free after earlier phases: where what is resident now is above this phase's own peak
-        the last time it was measured (by more than FLOOR_SLACK_BYTES; or it has not run yet), that heap would
-        set this phase's floor. Handing
+        heap malloc keeps free after earlier phases: where another phase ran last, or what is resident now is
+        above this phase's own peak the last time it was measured (by more than FLOOR_SLACK_BYTES; or it has
+        not run yet), that heap would set this phase's floor. Another phase's freed heap counts however low it
+        lies: its holes need not fit this phase's allocations, which then come from fresh pages on top of it,
+        and each such run measured would raise the reference the next is compared with (trlx's PPO generation
+        at llama-base, ZeRO-3, rank 0's RSS: 1,540 -> 1,624 -> 1,681 -> 1,712 MiB over four runs after
+        experience, 1,192-1,526 in the trimmed ones). Handing
         it back (malloc_trim) costs what the next larger phase spends faulting the same pages in again -- PPO's
         generation after training, every step: about 2 us a page, ~1 GiB a step at glm-base -- so it is done
         where the phase has not yet run twice from its own floor (the warm-up step and the first measured one)
@@ -213,11 +218,13 @@ class MemoryTracker:
         release measures nothing of its own on the host: its reading is kept as an upper bound only
         (MemoryReading.peak_upper_bound_bytes); the phases after it in that step are left above their floors
         too, and are released on their own schedule.
-        Where the floor is below the phase's last peak nothing is trimmed: the phase's allocations reuse the
-        free heap before asking the kernel for more (SFT's training step after training step)."""
+        Where the same phase ran last and the floor is below its last peak nothing is trimmed: the phase's
+        allocations reuse the heap it freed itself before asking the kernel for more (SFT's training step after
+        training step)."""
         gc.collect()
         last = self._last_host_peak.get(phase)
-        needed = last is None or psutil.Process().memory_info().rss > last + FLOOR_SLACK_BYTES
+        needed = (last is None or self._phase != phase
+                  or psutil.Process().memory_info().rss > last + FLOOR_SLACK_BYTES)
         trimmed = needed and (self._measured.get(phase, 0) < 2
                               or self._unmeasured_run.get(phase, 0) >= self.release_every - 1)
         if trimmed:
