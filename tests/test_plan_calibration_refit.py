@@ -109,3 +109,31 @@ def test_the_llama_rung_pairs_each_regime_s_batch_2_and_batch_4_runs():
     llama = [t for (model, *_), t in tokens.items() if model == "llama-base"]
     assert len(llama) == 24 and all(t == {512, 1024} for t in llama)
     assert {frozenset(t) for (model, *_), t in tokens.items() if model == "glm-base"} == {frozenset({512})}
+
+
+def test_a_fit_pooling_host_peaks_of_two_floor_rules_is_refused(tmp_path, capsys):
+    """The curated rung measured under floor rule 1 (no stamp); one trlx PPO record re-stamped as rule 2 (a run
+    measured after the tracker stopped counting another phase's freed heap as a floor) makes it two rules: the
+    fit is refused with both counts, exit 2, and nothing is written."""
+    import shutil
+
+    from bench.plan.calibrate import floor_rule, main
+
+    rung = tmp_path / "llama-base"
+    shutil.copytree(REPO / "results/examples/llama-base", rung, ignore=shutil.ignore_patterns("report"))
+    records = _records([str(rung)])
+    assert {floor_rule(r, stage) for r in records.values() for stage in r.get("stages") or {}} == {1}
+    ppo = sorted(run for run, r in records.items()
+                 if r["config"]["framework"]["name"] == "trlx" and "ppo" in (r.get("stages") or {}))
+    restamped = rung / ppo[0] / "record.json"
+    record = json.loads(restamped.read_text())
+    record["stages"]["ppo"]["memory"]["floor_rule"] = 2
+    restamped.write_text(json.dumps(record))
+    records = _records([str(rung)])
+    with pytest.raises(ValueError, match=r"trlx: .* different floor rules .* rule 1: 17 run\(s\).* rule 2: 1 run\(s\)"):
+        refit(records, comparisons(records), {"seed": 1}, str(rung), "trlx")
+    assert refit(records, comparisons(records), {"seed": 1}, str(rung), "dschat") is not None  # one rule: fitted
+    before = {p: p.read_bytes() for p in (REPO / "adapters").glob("*/memory_calibration.json")}
+    assert main([str(rung), "--select", "seed=1"]) == 2
+    assert "different floor rules" in capsys.readouterr().out
+    assert {p: p.read_bytes() for p in (REPO / "adapters").glob("*/memory_calibration.json")} == before

@@ -312,3 +312,12 @@ def test_a_step_a_rank_did_not_measure_has_no_peak_in_the_timeline_and_is_left_o
     assert training["peak_bytes_per_rank"] == [410 * MIB, 400 * MIB] and training["peak_bytes"] == 410 * MIB
     assert "started from its own floor" in memory["aggregate"]
 
+
+
+def test_the_record_says_which_floor_rule_its_host_peaks_were_measured_under():
+    ranks = [_rank(r, {"imports": [330 * MIB], "init": [350 * MIB], "training": [400 * MIB]}, [1.0], [1.0])
+             for r in (0, 1)]
+    assert stage_record("sft", ranks, warmup=0, wall_time_s=1.0).memory["floor_rule"] == 1  # written before the stamp
+    for rank in ranks:
+        rank["memory_floor_rule"] = 2
+    assert stage_record("sft", ranks, warmup=0, wall_time_s=1.0).memory["floor_rule"] == 2

@@ -33,6 +33,11 @@ CLEAR_REFS = "/proc/self/clear_refs"
 # loop's freed heap varies by, not another phase's garbage (the reading is then at most this much high).
 FLOOR_SLACK_BYTES = 4 * 1024 * 1024
 STATUS = "/proc/self/status"
+# Which runs count as starting from a phase's own floor on the host (MemoryTracker.start), stamped on every record:
+# 1 (records without the stamp): also a run after another phase, untrimmed, where resident memory lay below the
+# phase's own last peak -- it ratcheted on that phase's freed heap; 2: never a run on another phase's freed heap.
+# Host peaks measured under different rules are not alike (bench.plan.calibrate refuses to pool them).
+FLOOR_RULE = 2
 
 
 def _proc_status_bytes(key: str) -> int:

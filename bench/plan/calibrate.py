@@ -95,10 +95,32 @@ def refit(records: dict[str, dict[str, Any]], rows: list[Comparison], selection:
     if not fitted:
         return None
     device = (records[mine[0].run].get("environment") or {}).get("device") or "cpu"
+    if device == "cpu":
+        _one_floor_rule(records, fitted, framework)
     cal = calibration.fit(framework, device, _residuals(fitted), {
         "source": os.path.normpath(root), "selection": selection, "runs": len({r.run for r in fitted})},
         runtime_samples(records, sorted({r.run for r in fitted})))
     return cal, mine, chosen, device
+
+
+def floor_rule(record: dict[str, Any], stage: str) -> int:
+    """The host floor rule a stage's peaks were measured under (bench.measure.memory.FLOOR_RULE; 1 before the
+    records carried it)."""
+    memory = ((record.get("stages") or {}).get(stage) or {}).get("memory") or {}
+    return int(memory.get("floor_rule") or 1)
+
+
+def _one_floor_rule(records: dict[str, dict[str, Any]], fitted: list[Comparison], framework: str) -> None:
+    """Host peaks measured under different floor rules are not alike: a fit pooling them is refused."""
+    runs: dict[int, set[str]] = {}
+    for row in fitted:
+        runs.setdefault(floor_rule(records[row.run], row.stage), set()).add(row.run)
+    if len(runs) > 1:
+        counts = ", ".join(f"rule {rule}: {len(names)} run(s), e.g. {sorted(names)[0]}"
+                           for rule, names in sorted(runs.items()))
+        raise ValueError(f"{framework}: the selected runs' host peaks were measured under different floor rules "
+                         f"(memory.floor_rule; bench.measure.memory.FLOOR_RULE) -- {counts}; re-measure the older "
+                         "runs or select one rule's runs")
 
 
 def runtime_samples(records: dict[str, dict[str, Any]], runs: list[str]) -> list[float]:
@@ -145,8 +167,14 @@ def main(argv: list[str] | None = None) -> int:
     table = Table(title=f"memory model vs measured growth, |error| (tolerance {TOLERANCE:.0%})")
     for column in ("framework", "runs", "split", "MAE physics", "MAE calibrated", "worst", "within"):
         table.add_column(column)
-    for framework in sorted({r.framework for r in rows}):
-        fit = refit(records, rows, selection, source, framework)
+    fits = {}
+    for framework in sorted({r.framework for r in rows}):  # every fit first: a refused one writes nothing
+        try:
+            fits[framework] = refit(records, rows, selection, source, framework)
+        except ValueError as error:
+            console.print(str(error), style="red", markup=False)
+            return 2
+    for framework, fit in fits.items():
         if fit is None:
             console.print(f"[yellow]{framework}: no run matches the selection; its calibration is unchanged[/yellow]")
             continue

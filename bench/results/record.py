@@ -260,6 +260,7 @@ def _memory(ranks: list[dict[str, Any]]) -> dict[str, Any]:
             previous_end = s.get("live_end_bytes", previous_end)
     memory = {
         "method": ranks[0].get("memory_method"),
+        "floor_rule": ranks[0].get("memory_floor_rule", 1),  # bench.measure.memory.FLOOR_RULE; 1 before the stamp
         "unit": "bytes",
         "aggregate": ("max over ranks of the max over steps (per-rank values alongside), of the steps whose phase "
                       "started from its own floor (see method); a timeline step a rank did not measure has "

@@ -25,6 +25,7 @@ from adapters import registry
 from adapters.base import RankContext
 from bench.measure import jit_ops
 from bench.measure.environment import environment, matrix_isa
+from bench.measure.memory import FLOOR_RULE
 from bench.measure.phases import PhaseTracker
 from bench.results.record import write_json
 from bench.run.data import SyntheticData
@@ -151,7 +152,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         device = resolve_device(spec.launcher.device, local_rank)
         tracker = PhaseTracker(device, spec.release_every)
         result.update(device=str(device), process_start_bytes=tracker.memory.current_bytes(),
-                      memory_method=tracker.memory.method, time_method=tracker.time_method)
+                      memory_method=tracker.memory.method, memory_floor_rule=FLOOR_RULE,
+                      time_method=tracker.time_method)
         if local_rank == 0:  # each node's host (one entry on one node)
             result["environment"] = environment(device.type, world)
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
