@@ -114,7 +114,7 @@ def test_the_llama_rung_pairs_each_regime_s_batch_2_and_batch_4_runs():
 def test_a_fit_pooling_host_peaks_of_two_floor_rules_is_refused(tmp_path, capsys):
     """The curated rung measured under floor rule 1 (no stamp); one trlx PPO record re-stamped as rule 2 (a run
     measured after the tracker stopped counting another phase's freed heap as a floor) makes it two rules: the
-    fit is refused with both counts, exit 2, and nothing is written."""
+    fit is refused with both counts of PPO runs (the rung's six), exit 2, and nothing is written."""
     import shutil
 
     from bench.plan.calibrate import floor_rule, main
@@ -127,10 +127,19 @@ def test_a_fit_pooling_host_peaks_of_two_floor_rules_is_refused(tmp_path, capsys
                  if r["config"]["framework"]["name"] == "trlx" and "ppo" in (r.get("stages") or {}))
     restamped = rung / ppo[0] / "record.json"
     record = json.loads(restamped.read_text())
+    # an SFT record re-stamped changes nothing: both rules choose the same runs of SFT's phases
+    sft = sorted(run for run, r in records.items()
+                 if r["config"]["framework"]["name"] == "trlx" and "sft" in (r.get("stages") or {}))
+    sft_path = rung / sft[0] / "record.json"
+    sft_record = json.loads(sft_path.read_text())
+    sft_record["stages"]["sft"]["memory"]["floor_rule"] = 2
+    sft_path.write_text(json.dumps(sft_record))
+    records = _records([str(rung)])
+    assert refit(records, comparisons(records), {"seed": 1}, str(rung), "trlx") is not None
     record["stages"]["ppo"]["memory"]["floor_rule"] = 2
     restamped.write_text(json.dumps(record))
     records = _records([str(rung)])
-    with pytest.raises(ValueError, match=r"trlx: .* different floor rules .* rule 1: 17 run\(s\).* rule 2: 1 run\(s\)"):
+    with pytest.raises(ValueError, match=r"trlx: .* different floor rules .* rule 1: 5 run\(s\).* rule 2: 1 run\(s\)"):
         refit(records, comparisons(records), {"seed": 1}, str(rung), "trlx")
     assert refit(records, comparisons(records), {"seed": 1}, str(rung), "dschat") is not None  # one rule: fitted
     before = {p: p.read_bytes() for p in (REPO / "adapters").glob("*/memory_calibration.json")}

@@ -32,6 +32,7 @@ from bench.plan.accuracy import (
     split_of,
 )
 from bench.results.collect import collect
+from bench.run.spec import ROLLOUT_STAGES
 
 TOLERANCE = 0.15
 
@@ -111,9 +112,13 @@ def floor_rule(record: dict[str, Any], stage: str) -> int:
 
 
 def _one_floor_rule(records: dict[str, dict[str, Any]], fitted: list[Comparison], framework: str) -> None:
-    """Host peaks measured under different floor rules are not alike: a fit pooling them is refused."""
+    """Host peaks measured under different floor rules are not alike: a fit pooling them is refused. Only the
+    rollout stages' count: the rules differ on runs of a phase after another one beyond its first two, which SFT
+    (init, then training after training) and RM (evaluation before and after its training) never have."""
     runs: dict[int, set[str]] = {}
     for row in fitted:
+        if row.stage not in ROLLOUT_STAGES:
+            continue
         runs.setdefault(floor_rule(records[row.run], row.stage), set()).add(row.run)
     if len(runs) > 1:
         counts = ", ".join(f"rule {rule}: {len(names)} run(s), e.g. {sorted(names)[0]}"
