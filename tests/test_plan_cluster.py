@@ -394,10 +394,18 @@ def test_trlx_hydra_layout_by_hand():
     # norm and GPT-2's learned position table (trlx's freeze_bottom_causal_layers leaves it trainable)
     assert roles["actor"].dense_trainable == 2 * layer + 2 * h + 1024 * h
     assert roles["actor"].params == PSI and roles["reward"].params == GLM_10B.backbone_params + h
-    # only the 2 trained blocks keep activations for the backward
+    # the 2 trained blocks keep what Korthikanti et al. count (1 x 1,024 tokens, 64 heads: 34 + 5as/h = 114 sbh
+    # bytes); the position table trains under the 46 frozen ones, so the gradient runs through them and each keeps
+    # all but its linear maps' inputs (QKV and MLP inputs 4, attention output input 2, GELU output 8): 100 sbh
     w, lay = Workload(hydra_layers=2), Layout(dp=8)
-    full = training(Role("actor", GLM_10B), lay, Workload()).activations
-    assert training(roles["actor"], lay, w).activations == pytest.approx(full * 2 / 48)
+    sbh = 1024 * 4096
+    assert training(Role("actor", GLM_10B), lay, Workload()).activations == 48 * 114 * sbh
+    assert training(roles["actor"], lay, w).activations == (2 * 114 + 46 * 100) * sbh
+    # a rotary family has no position table: nothing under the top blocks trains and the frozen ones keep nothing
+    llama7b = plan_file.arch_of("llama2-7b")[1]
+    llama_roles = make_roles(llama7b, w)
+    full = training(Role("actor", llama7b), lay, Workload()).activations
+    assert training(llama_roles["actor"], lay, w).activations == pytest.approx(full * 2 / llama7b.layers)
     # the branch's forward: every hidden state of the trunk returned (49 x 1 x 1,024 x h x 2 bytes) on top of
     # one block's working set
     plain = inference(Role("reference", GLM_10B), lay, Workload()).activations

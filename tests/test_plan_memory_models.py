@@ -105,3 +105,25 @@ def test_colossalai_rm_init_holds_weights_and_master_only():
     # under 3d holds its bf16 weights and fp32 master at init, moments at the first step: 2 + 4 B a parameter
     spec = spec_from_config(compose(["framework=colossalai", "stage=rm", *BASE, "zero=0"]))
     assert physics(spec, "rm")["init"].device / 2**20 == pytest.approx(623.4, abs=0.5)
+
+
+def test_trlx_ppo_update_counts_frozen_blocks_only_under_a_trained_position_table():
+    """trlx's PPO trains the top 2 blocks (hydra); the bottom 10 are frozen with the input embedding. Their
+    forward records for autograd only where a gradient has to pass them: GPT-2's learned position table trains,
+    a rotary family has none. Batch 2 x 256 tokens, h = 768, bf16: sbh = 393,216 values."""
+    sbh = 2 * 256 * 768
+
+    def update(model: str) -> float:
+        spec = spec_from_config(compose(["framework=trlx", "stage=ppo", f"model={model}", "prompt_len=128",
+                                         "answer_len=128", "batch=2", "launcher.nproc=2", "precision=bf16",
+                                         "zero=2"]))
+        return physics(spec, "ppo", "cpu")["training"].activations
+
+    # llama-base (i = 2048 = 8/3 h): a trained block keeps 2 fp32 norm inputs (8 bytes), Q K V-at-full-width and
+    # the attention output (4h), gate, SiLU and up (3i = 8h), the maps' inputs (q/k/v 1, o 1, gate/up 1, down
+    # 8/3) and its 2 trained norms' outputs (2h), at 2 bytes: 8 + 2 (4 + 8 + 17/3 + 2) = 142/3 bytes a value;
+    # two of them, the embedding and final norm outputs (3h x 2 bytes), the frozen ten nothing
+    assert update("llama-base") == 2 * 142 * sbh // 3 + 6 * sbh == 39_583_744
+    # glm-base (GPT-2 shaped, i = 4h): a trained block keeps (6 + 16 + 7 inputs) x 2 = 58 bytes, a frozen one
+    # 22 x 2 = 44 (no inputs for weight gradients), the position table's gradient runs through all ten
+    assert update("glm-base") == (2 * 58 + 10 * 44 + 6) * sbh == 220_987_392

@@ -79,6 +79,13 @@ def test_korthikanti_activations():
     assert layer_activation_bytes(GLM_10B, 1, 512, tp=8) == 37_748_736
     # full recomputation keeps the layer input only: 2 s b h = 4,194,304
     assert layer_activation_bytes(GLM_10B, 1, 512, recompute=True) == 4_194_304
+    # frozen under a trained layer: no inputs for weight gradients. GPT-2: 10 - 4 outside, 8 - 2 + 16 - 8 inside,
+    # the scores 5as/h = 40: 60 sbh; Llama-3-8B (kv 1,024, i = 3.5h, as/h = 4): 8 - 4 outside, 4 + 1 + 28 - 2 - 7
+    # inside, the softmax 8: 36 sbh (49 trained)
+    sbh = 512 * 4096
+    assert layer_activation_bytes(GLM_10B, 1, 512, frozen=True) == 60 * sbh == 125_829_120
+    assert layer_activation_bytes(LLAMA3_8B, 1, 512) == 49 * sbh
+    assert layer_activation_bytes(LLAMA3_8B, 1, 512, frozen=True) == 36 * sbh
 
 
 def test_caches_and_logits():

@@ -169,8 +169,15 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     hidden_states = Terms(activations=2 * (shape.arch.layers + 1) * shape.batch * seq * shape.arch.hidden * vb)
     trained_all = shape.lora or _full_reference(shape)
     frozen = 0 if trained_all else shape.arch.layers - _unfrozen(shape, "num_layers_unfrozen", 2)
+    # under the frozen blocks only a learned position table trains (the input embedding is frozen): a rotary
+    # family's frozen blocks record nothing for autograd. Autograd's saved tensors of one update minibatch at
+    # llama-base (ZeRO-2, 2 ranks) were 143 and 213 MiB at batch 2 and 4: 70 MiB a 2 x 256 tokens (the rest
+    # weights), as the two trained blocks, the final norm and the log-softmax output are (69); with the ten
+    # frozen blocks recording it would be 189
+    position_table = shape.arch.traits.learned_positions
     work = forward_backward(shape, shape.batch, seq, logits_copies=logits_out + 3, frozen_layers=frozen,
-                            linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
+                            linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora,
+                            trained_below=position_table)
     return {
         "init": init,
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),

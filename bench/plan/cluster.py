@@ -342,6 +342,11 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     b, s, t = workload.micro_batch, workload.seq, layout.tp
     per_layer = layer_activation_bytes(arch, b, s, t, layout.recompute, vb, workload.flash_attention)
     activations = role.trained_layers * per_layer
+    if role.trained_layers < arch.layers and arch.traits.learned_positions:
+        # hydra under a learned position table (GPT-2's, which trlx leaves trainable): the gradient runs through
+        # the frozen blocks to it, so they keep what their input gradients need; a rotary family's keep nothing
+        activations += (arch.layers - role.trained_layers) * layer_activation_bytes(
+            arch, b, s, t, layout.recompute, vb, workload.flash_attention, frozen=True)
     if layout.recompute:
         activations += layer_activation_bytes(arch, b, s, t, False, vb)
     if role.hydra and role.name == "critic":  # the value head's fp32 hidden layer, on the actor's hidden states

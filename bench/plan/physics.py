@@ -220,7 +220,7 @@ def total(parts: list[Terms]) -> Terms:
 
 
 def layer_activation_bytes(arch: Arch, batch: int, seq: int, tp: int = 1, recompute: bool = False,
-                           bytes_per_value: int = 2, flash: bool = False) -> float:
+                           bytes_per_value: int = 2, flash: bool = False, frozen: bool = False) -> float:
     """Activations one block keeps for its backward, per device (Korthikanti et al. 2022, without sequence
     parallelism), in 16-bit values (s b h units; i = the MLP width, a = heads, t = tensor parallel):
 
@@ -232,8 +232,11 @@ def layer_activation_bytes(arch: Arch, batch: int, seq: int, tp: int = 1, recomp
       output's input (4), K and V at the K/V width (grouped-query attention: 4 kv/h), SwiGLU's gate, up, SiLU
       and product (8i/h), all / t; the softmax output 2as/h / t.
 
-    `flash`: fused attention keeps no scores. The paper counts 16-bit values; fp32 doubles every term but the
-    1-byte dropout masks, which is close enough to scale the whole by bytes/2."""
+    `flash`: fused attention keeps no scores. `frozen`: a block whose weights do not train but which a gradient
+    passes (something under it trains): its linear maps keep no input for a weight gradient -- the QKV and MLP
+    inputs outside (4), the attention output's input (2) and the last MLP map's input (GPT-2's GELU output,
+    SwiGLU's product: 2i/h) inside. The paper counts 16-bit values; fp32 doubles every term but the 1-byte
+    dropout masks, which is close enough to scale the whole by bytes/2."""
     sbh = seq * batch * arch.hidden
     scale = bytes_per_value / 2
     if recompute:
@@ -243,6 +246,8 @@ def layer_activation_bytes(arch: Arch, batch: int, seq: int, tp: int = 1, recomp
         outside, inside, score_values = 8, 4 + 4 * arch.kv_width / arch.hidden + 8 * i_per_h, 2
     else:
         outside, inside, score_values = 10, 8 + 4 * i_per_h, 5
+    if frozen:
+        outside, inside = outside - 4, inside - 2 - 2 * i_per_h
     scores = 0 if flash else score_values * arch.heads * seq / arch.hidden
     return sbh * (outside + (inside + scores) / tp) * scale
 

@@ -114,15 +114,17 @@ def frozen_role(shape: RunShape, role: str, params: float, weight_bytes: int, sh
 
 
 def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0, dropout: bool = False,
-                     linear_inputs: float | None = None, frozen_layers: int = 0, trained_norms: bool = True
-                     ) -> Terms:
+                     linear_inputs: float | None = None, frozen_layers: int = 0, trained_norms: bool = True,
+                     trained_below: bool = True) -> Terms:
     """A trained forward and backward over `sequences` x `seq` tokens on one rank: what the blocks save for the
     backward (physics.layer_saved_bytes; every block's linear maps keep their inputs -- `linear_inputs`
-    h-values, default all of them -- but `frozen_layers`, which keep none; `trained_norms`: whether the
-    norms' weights train, which an RMSNorm's saved output follows; with gradient checkpointing only the
-    blocks' inputs plus one block rebuilt), the embedding and final norm outputs, and `logits_copies`
+    h-values, default all of them -- but `frozen_layers`, the bottom ones, which keep none; `trained_norms`:
+    whether the norms' weights train, which an RMSNorm's saved output follows; with gradient checkpointing
+    only the blocks' inputs plus one block rebuilt), the embedding and final norm outputs, and `logits_copies`
     [sequences, seq, vocab] tensors counted in units of the compute dtype (an fp32 upcast counts 2 at 16
-    bits)."""
+    bits). `trained_below`: whether something under the frozen blocks trains (a learned position table, the
+    embedding), so that the gradient runs through them and autograd records them; without, their forward
+    records nothing (no input of theirs needs a gradient)."""
     arch = shape.arch
     vb = shape.value_bytes
     n = arch.layers
@@ -136,7 +138,8 @@ def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: f
     if shape.grad_ckpt:
         kept = n * 2 * sbh * vb + block(inputs, trained_norms)
     else:
-        kept = (n - frozen_layers) * block(inputs, trained_norms) + frozen_layers * block(0, False)
+        frozen = frozen_layers * block(0, False) if trained_below else 0.0
+        kept = (n - frozen_layers) * block(inputs, trained_norms) + frozen
     # 1F1B: the first pipeline stage holds pp micro-batches of layers/pp blocks, the whole model's worth
     activations = kept + 3 * sbh * vb
     return Terms(activations=activations,
