@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 import sys
 
 import pytest
@@ -58,3 +60,42 @@ def test_a_readable_cuda_list_is_left_as_the_user_set_it(monkeypatch: pytest.Mon
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0 9.0+PTX")
     env = _rank_env()
     assert env["TORCH_CUDA_ARCH_LIST"] == "8.0 9.0+PTX" and "RLHF_BENCH_ARCH_LIST_GIVEN" not in env
+
+
+def test_a_fixed_mmap_threshold_reaches_the_ranks_and_glibc_s_own_leaves_the_environment_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    assert "MALLOC_MMAP_THRESHOLD_" not in _rank_env()
+    fixed = launcher.rank_env(spec_from_config(compose(["memory_mmap_threshold=4194304"])))
+    assert fixed["MALLOC_MMAP_THRESHOLD_"] == "4194304"
+
+
+# A child asks glibc for a 12 MiB block twice, freeing the first: glibc's answer is in the chunk header before
+# each block (the size word's IS_MMAPPED bit, 0x2). Glibc's own threshold starts at 128 KiB, so the first block
+# is mapped; freeing it raises the threshold to the block's size, so the second comes from the heap. With the
+# threshold fixed at 4 MiB both are mapped: what the launcher's variable does to the ranks' allocator.
+GLIBC_PROBE = """
+import ctypes
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+mapped = []
+for _ in range(2):
+    block = libc.malloc(12 << 20)
+    mapped.append(ctypes.c_size_t.from_address(block - ctypes.sizeof(ctypes.c_size_t)).value & 2 == 2)
+    libc.free(block)
+print(mapped)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the mmap threshold is glibc's (this host's libc: "
+                    f"{platform.libc_ver()[0] or 'unknown'})")
+@pytest.mark.parametrize(("overrides", "expected"), [([], "[True, False]"),
+                                                      (["memory_mmap_threshold=4194304"], "[True, True]")])
+def test_the_ranks_allocator_keeps_or_maps_a_freed_block_as_the_setting_says(
+        monkeypatch: pytest.MonkeyPatch, overrides: list[str], expected: str) -> None:
+    monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
+    env = launcher.rank_env(spec_from_config(compose(overrides)))
+    out = subprocess.run([sys.executable, "-S", "-c", GLIBC_PROBE], env=env, capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == expected

@@ -146,3 +146,27 @@ def test_a_fit_pooling_host_peaks_of_two_floor_rules_is_refused(tmp_path, capsys
     assert main([str(rung), "--select", "seed=1"]) == 2
     assert "different floor rules" in capsys.readouterr().out
     assert {p: p.read_bytes() for p in (REPO / "adapters").glob("*/memory_calibration.json")} == before
+
+
+def test_a_fit_pooling_host_peaks_of_two_allocator_settings_is_refused(tmp_path):
+    """The curated rung ran under glibc's own mmap threshold; one DS-Chat SFT record re-configured as run with it
+    fixed (memory_mmap_threshold) makes two settings, refused in every stage (the threshold sets what each freed
+    tensor leaves behind, SFT's too), with each setting's run count; selecting one setting fits."""
+    import shutil
+
+    rung = tmp_path / "llama-base"
+    shutil.copytree(REPO / "results/examples/llama-base", rung, ignore=shutil.ignore_patterns("report"))
+    records = _records([str(rung)])
+    assert all("memory_mmap_threshold" not in r["config"] for r in records.values())  # before the key
+    sft = sorted(run for run, r in records.items()
+                 if r["config"]["framework"]["name"] == "dschat" and "sft" in (r.get("stages") or {}))
+    path = rung / sft[0] / "record.json"
+    record = json.loads(path.read_text())
+    record["config"]["memory_mmap_threshold"] = 4194304
+    path.write_text(json.dumps(record))
+    records = _records([str(rung)])
+    with pytest.raises(ValueError, match=r"dschat: .* different allocator settings -- memory_mmap_threshold=4194304: "
+                                         r"1 run\(s\).*memory_mmap_threshold=None: 17 run\(s\)"):
+        refit(records, comparisons(records), {"seed": 1}, str(rung), "dschat")
+    fit = refit(records, comparisons(records), {"seed": 1, "memory_mmap_threshold": None}, str(rung), "dschat")
+    assert fit is not None and fit[0].fitted_on["runs"] == 17

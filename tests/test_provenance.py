@@ -106,3 +106,15 @@ def test_a_host_type_says_when_its_matrix_instructions_were_not_recorded():
     assert of(kernel).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded, kernel 6.1-a"
     assert of(oldest).host_type == "cpu A x 2, 24 GiB, matrix ISA not recorded"
     assert of({"environment": {}}).host_type is None
+
+
+def test_the_allocator_settings_a_rank_ran_under_are_recorded(monkeypatch):
+    for name in [n for n in os.environ if n.startswith("MALLOC_") or n in ("GLIBC_TUNABLES", "LD_PRELOAD")]:
+        monkeypatch.delenv(name)
+    assert environment("cpu", 1)["allocator"] == {}  # glibc's defaults
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "4194304")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")  # glibc reads this one without the trailing underscore
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.trim_threshold=0")
+    monkeypatch.setenv("MALLOCATOR", "not glibc's")
+    assert environment("cpu", 1)["allocator"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0",
+                                                  "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304"}

@@ -53,6 +53,10 @@ def test_default_spec_is_dschat_ppo_on_tiny():
         ("soak=maybe", ["soak='maybe' must be true or false"]),
         ("memory_budget_gb=0", ["memory_budget_gb=0 must be a positive number"]),
         ("memory_release_every=0", ["memory_release_every=0 is not allowed; it must be >= 1"]),
+        ("memory_mmap_threshold=-1", ["memory_mmap_threshold=-1 is not allowed", "between 0 and 33554432"]),
+        # above glibc's ceiling the variable would be ignored and the record would name a setting that never ran
+        ("memory_mmap_threshold=33554433", ["memory_mmap_threshold=33554433", "between 0 and 33554432"]),
+        ("memory_mmap_threshold=4MiB", ["memory_mmap_threshold='4MiB' must be an integer"]),
         ("debug.leak_mib_per_step=-1", ["debug.leak_mib_per_step=-1 must be a number >= 0"]),
         ("debug.leak_phase=init", ["debug.leak_phase='init'", "generation, experience, training"]),
     ],

@@ -7,6 +7,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,17 @@ from typing import Any
 LIBRARIES = ("torch", "deepspeed", "transformers", "peft", "accelerate", "colossalai", "hydra-core", "numpy", "trl",
              "datasets", "tokenizers", "torchao", "bitsandbytes", "galore-torch", "einops")
 REPO = Path(__file__).resolve().parents[2]
+# glibc's malloc reads its fixed mmap threshold from this variable (the run's memory_mmap_threshold sets it)
+MMAP_THRESHOLD_VARIABLE = "MALLOC_MMAP_THRESHOLD_"
+# what else sets how the host allocator keeps freed memory, and so the host peaks: glibc's other MALLOC_*
+# variables, its tunables, and an allocator preloaded in its place (jemalloc, tcmalloc)
+ALLOCATOR_VARIABLES = ("GLIBC_TUNABLES", "LD_PRELOAD")
+
+
+def allocator_settings(env: Mapping[str, str]) -> dict[str, str]:
+    """The allocator settings a rank ran under, by variable ({} for glibc's defaults)."""
+    return {name: value for name, value in sorted(env.items())
+            if name in ALLOCATOR_VARIABLES or name.startswith("MALLOC_")}
 
 
 def _version(name: str) -> str | None:
@@ -133,5 +145,6 @@ def environment(device_type: str, world_size: int) -> dict[str, Any]:
         "device": device_type,
         "world_size": world_size,
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        "allocator": allocator_settings(os.environ),
         "torch_threads": torch.get_num_threads(),
     }

@@ -97,7 +97,7 @@ def refit(records: dict[str, dict[str, Any]], rows: list[Comparison], selection:
         return None
     device = (records[mine[0].run].get("environment") or {}).get("device") or "cpu"
     if device == "cpu":
-        _one_floor_rule(records, fitted, framework)
+        _one_measurement(records, fitted, framework)
     cal = calibration.fit(framework, device, _residuals(fitted), {
         "source": os.path.normpath(root), "selection": selection, "runs": len({r.run for r in fitted})},
         runtime_samples(records, sorted({r.run for r in fitted})))
@@ -111,21 +111,35 @@ def floor_rule(record: dict[str, Any], stage: str) -> int:
     return int(memory.get("floor_rule") or 1)
 
 
-def _one_floor_rule(records: dict[str, dict[str, Any]], fitted: list[Comparison], framework: str) -> None:
-    """Host peaks measured under different floor rules are not alike: a fit pooling them is refused. Only the
-    rollout stages' count: the rules differ on runs of a phase after another one beyond its first two, which SFT
-    (init, then training after training) and RM (evaluation before and after its training) never have."""
-    runs: dict[int, set[str]] = {}
+def mmap_threshold(record: dict[str, Any]) -> int | None:
+    """The glibc mmap threshold a run fixed for its ranks (memory_mmap_threshold; None: glibc's own, as every
+    record before the key ran)."""
+    return (record.get("config") or {}).get("memory_mmap_threshold")
+
+
+def _one_measurement(records: dict[str, dict[str, Any]], fitted: list[Comparison], framework: str) -> None:
+    """Host peaks measured under different floor rules or allocator settings are not alike: a fit pooling them is
+    refused. The floor rule counts for the rollout stages only: the rules differ on runs of a phase after another
+    one beyond its first two, which SFT (init, then training after training) and RM (evaluation before and after
+    its training) never have. The mmap threshold counts for every stage (it sets what every freed tensor leaves)."""
+    rules: dict[int, set[str]] = {}
+    thresholds: dict[str, set[str]] = {}
     for row in fitted:
-        if row.stage not in ROLLOUT_STAGES:
-            continue
-        runs.setdefault(floor_rule(records[row.run], row.stage), set()).add(row.run)
-    if len(runs) > 1:
+        record = records[row.run]
+        thresholds.setdefault(str(mmap_threshold(record)), set()).add(row.run)
+        if row.stage in ROLLOUT_STAGES:
+            rules.setdefault(floor_rule(record, row.stage), set()).add(row.run)
+    if len(rules) > 1:
         counts = ", ".join(f"rule {rule}: {len(names)} run(s), e.g. {sorted(names)[0]}"
-                           for rule, names in sorted(runs.items()))
+                           for rule, names in sorted(rules.items()))
         raise ValueError(f"{framework}: the selected runs' host peaks were measured under different floor rules "
                          f"(memory.floor_rule; bench.measure.memory.FLOOR_RULE) -- {counts}; re-measure the older "
                          "runs or select one rule's runs")
+    if len(thresholds) > 1:
+        counts = ", ".join(f"memory_mmap_threshold={value}: {len(names)} run(s), e.g. {sorted(names)[0]}"
+                           for value, names in sorted(thresholds.items()))
+        raise ValueError(f"{framework}: the selected runs' host peaks were measured under different allocator "
+                         f"settings -- {counts}; select one setting's runs (--select memory_mmap_threshold=...)")
 
 
 def runtime_samples(records: dict[str, dict[str, Any]], runs: list[str]) -> list[float]:

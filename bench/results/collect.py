@@ -44,13 +44,17 @@ ADDED_KEYS = {"soak": False, "memory_budget_gb": None, "memory_release_every": 1
               "grad_accum": 1, "stage_steps.grpo": 10,
               "init.sft_prerequisite": False,  # PPO's actor started from random base weights before the key
               "launcher.nnodes": 1,
-              "framework.critic_zero_stage": None, "framework.critic_gradient_checkpointing": None}
+              "framework.critic_zero_stage": None, "framework.critic_gradient_checkpointing": None,
+              # curated records before the key ran under glibc's own threshold (no script set an allocator variable)
+              "memory_mmap_threshold": None}
 # A run carrying this tag is meant to fail (a forced divergence): the stability table shows it, no claim,
 # decision or figure of trained runs takes it as evidence.
 FORCED_FAILURE = "forced-failure"
 # Cell keys that set how a run is measured rather than what it runs: a decision-tree leaf compares frameworks'
-# cells only where these agree (the workload's lengths, the warm-up, the heap release schedule, soak mode).
-MEASUREMENT_KEYS = ("prompt_len", "answer_len", "warmup_steps", "memory_release_every", "soak")
+# cells only where these agree (the workload's lengths, the warm-up, the heap release schedule, the allocator's
+# mmap threshold, soak mode).
+MEASUREMENT_KEYS = ("prompt_len", "answer_len", "warmup_steps", "memory_release_every", "memory_mmap_threshold",
+                    "soak")
 # The phases peak, growth and peak phase are all read from: every phase after `imports` (the post-import
 # baseline itself), init included, since a device runs out of memory in whichever phase peaks.
 MEMORY_PHASES = tuple(p for p in PHASE_ORDER if p != "imports")

@@ -29,6 +29,7 @@ from typing import Any
 import psutil
 from rich.console import Console
 
+from bench.measure.environment import MMAP_THRESHOLD_VARIABLE
 from bench.results.record import write_json
 from bench.run.progress import StageDisplay, feed_path
 from bench.run.spec import RunSpec
@@ -54,7 +55,9 @@ class StageOutcome:
 
 def rank_env(spec: RunSpec) -> dict[str, str]:
     """The environment every rank runs in: this process's, with thread counts, offline Hugging Face, unbuffered
-    output and the repository on the path."""
+    output, the repository on the path and, where the run fixes it, glibc's mmap threshold (setting it also stops
+    glibc from raising it as large blocks are freed: the host peaks follow the live tensors, not the threshold's
+    history)."""
     env = dict(os.environ)
     threads = str(spec.launcher.threads_per_rank)
     env.update(
@@ -67,6 +70,8 @@ def rank_env(spec: RunSpec) -> dict[str, str]:
         TOKENIZERS_PARALLELISM="false",
         PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])),
     )
+    if spec.memory_mmap_threshold is not None:
+        env[MMAP_THRESHOLD_VARIABLE] = str(spec.memory_mmap_threshold)
     jit_cache = jit_cache_dir()
     if jit_cache is not None:
         env.setdefault("TORCH_EXTENSIONS_DIR", jit_cache)

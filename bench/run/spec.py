@@ -33,6 +33,10 @@ DEVICES = ("auto", "cpu", "cuda")
 TAGS = ("forced-failure",)
 # Token ids the synthetic data reserves (pad, eos) plus room for a preferred subset.
 MIN_VOCAB = 64
+# The largest mmap threshold glibc takes on a 64-bit host (malloc.c: DEFAULT_MMAP_THRESHOLD_MAX, 4 Mi x
+# sizeof(long)); a larger MALLOC_MMAP_THRESHOLD_ is ignored, which would leave the record naming a setting that
+# never ran.
+MMAP_THRESHOLD_MAX = 32 * 2**20
 
 
 class SpecError(ValueError):
@@ -468,6 +472,7 @@ class RunSpec:
     soak: bool = False
     memory_budget_gb: float | None = None
     memory_release_every: int | None = None  # None: every run in a soak (its figure is per step), else 4
+    memory_mmap_threshold: int | None = None  # bytes: glibc's mmap threshold fixed for the ranks; None: glibc's own
     preflight: str = "off"  # on: refuse a run predicted not to fit; shrink: halve the batch until it fits
     verbose: bool = False  # the ranks' own output on the terminal too (it is always in each stage's worker.log)
     debug: DebugSpec = field(default_factory=DebugSpec)
@@ -545,6 +550,8 @@ class RunSpec:
             _positive_float("memory_budget_gb", self.memory_budget_gb)
         if self.memory_release_every is not None:
             _int("memory_release_every", self.memory_release_every, 1)
+        if self.memory_mmap_threshold is not None:
+            _int("memory_mmap_threshold", self.memory_mmap_threshold, 0, MMAP_THRESHOLD_MAX)
         if self.soak:
             for stage in self.stages:
                 fitted = self.steps[stage] - first_fitted_step(self.warmup_steps, self.steps[stage])
@@ -698,6 +705,7 @@ def spec_from_config(cfg: Mapping[str, Any], env: Mapping[str, str] | None = Non
         soak=cfg.get("soak", False),
         memory_budget_gb=cfg.get("memory_budget_gb"),
         memory_release_every=cfg.get("memory_release_every"),
+        memory_mmap_threshold=cfg.get("memory_mmap_threshold"),
         preflight=cfg.get("preflight", "off"),
         verbose=cfg.get("verbose", False),
         debug=DebugSpec(**dict(cfg.get("debug") or {})),
