@@ -3,24 +3,41 @@
 seed-1 runs, glm-base's all at batch 2 with 128 + 128 tokens, llama-base's at batch 2 and 4; at 480 tokens the
 batch shares scale them by 1 - s/16), each phase's calibrated prediction within 15 % of the measured
 growth. The full check over the curated sweep is the report's predicted-vs-measured table and
-`python -m bench.plan.calibrate`."""
+`python -m bench.plan.calibrate`.
+
+Each cell runs in bf16, the precision the rungs were measured in, and DS-Chat's and ColossalChat's also in fp32,
+which no calibration saw (every offset is stated per 16-bit width and doubled there; the engines keep an fp32
+master beside fp32 weights). bf16 runs only where the CPU has native bf16 matrix instructions: elsewhere torch's
+bf16 path made the cell's step 15-19x fp32's (an AVX2-only AMD EPYC, 2 ranks), 324-464 s a cell, which would
+put CI past its 30 minutes; memory and the prediction are the same there. trlx's fp32 cell is not checked: the
+doubling fails it. Its SFT training offset, 397 MiB in bf16 (glm-base factor 0.98), becomes 782 MiB, while the
+fp32 residual over its physics (2,324 MiB) was 233 and 430 MiB in two runs (2,557 and 2,754 MiB measured):
++21 % and +13 %; the physics alone is -9 % and -16 % (docs/planner.md, "Value width")."""
 
 from __future__ import annotations
 
 import pytest
 
+from bench.measure.environment import matrix_isa
+
 TOLERANCE = 0.15
-CELL = ["model=glm-base", "prompt_len=64", "answer_len=96", "batch=3", "launcher.nproc=2", "precision=bf16",
-        "zero=2", "steps=2", "warmup_steps=1"]
+CELL = ["model=glm-base", "prompt_len=64", "answer_len=96", "batch=3", "launcher.nproc=2", "zero=2", "steps=2",
+        "warmup_steps=1"]
+NATIVE_BF16 = bool({"avx512_bf16", "amx_bf16"} & set(matrix_isa()))
+EMULATED_BF16 = pytest.mark.skipif(not NATIVE_BF16, reason="CI time: no avx512_bf16 or amx_bf16 on this CPU, where "
+                                   "a bf16 cell takes 5-8 minutes (torch's emulated bf16 products)")
 
 
 @pytest.mark.engine
-@pytest.mark.parametrize("framework, stage", [
-    ("dschat", "sft"), ("trlx", "sft"), ("colossalai", "sft"),
+@pytest.mark.parametrize("framework, stage, precision", [
+    pytest.param("dschat", "sft", "bf16", marks=EMULATED_BF16),
+    pytest.param("trlx", "sft", "bf16", marks=EMULATED_BF16),
+    pytest.param("colossalai", "sft", "bf16", marks=EMULATED_BF16),
     # CI time: RM's held-out scoring (2 x 8 batches per rank) made this the suite's longest test, 161 s
-    pytest.param("colossalai", "rm", marks=pytest.mark.slow)])
-def test_predicted_phase_growth_is_within_15_percent(run_bench, framework, stage):
-    record = run_bench(f"framework={framework}", f"stage={stage}", *CELL)
+    pytest.param("colossalai", "rm", "bf16", marks=[EMULATED_BF16, pytest.mark.slow]),
+    ("dschat", "sft", "fp32"), ("colossalai", "sft", "fp32")])
+def test_predicted_phase_growth_is_within_15_percent(run_bench, framework, stage, precision):
+    record = run_bench(f"framework={framework}", f"stage={stage}", f"precision={precision}", *CELL)
     assert record["status"] == "ok", record["error"]
     memory = record["stages"][stage]["memory"]
     prediction = memory["prediction"]

@@ -51,6 +51,12 @@ def test_parameter_counts_match_the_records():
     ("colossalai", "rm", ("zero=2", "lora=64"), 295.9),
     ("trlx", "sft", ("zero=0",), 1246.8),
     ("trlx", "rm", ("zero=2",), 466.5),
+    # at fp32 (the engines' counters in the fp32 runs of tests/test_plan_accuracy.py's cell: 435,775,488 bytes
+    # of parameters and 653,663,232 of optimizer state per rank) each ZeRO-2 engine still keeps an fp32 master
+    # copy of its shard beside the fp32 weights: 4 + 12 / 2 bytes a parameter
+    ("colossalai", "sft", ("zero=2", "precision=fp32"), 1039.0),
+    ("dschat", "sft", ("zero=2", "precision=fp32"), 1039.0),
+    ("trlx", "sft", ("zero=2", "precision=fp32"), 1039.0),
 ])
 def test_model_state_matches_the_engines(framework, stage, overrides, mib):
     terms = physics(spec_from_config(compose([f"framework={framework}", f"stage={stage}", *BASE, *overrides])),
@@ -127,3 +133,14 @@ def test_trlx_ppo_update_counts_frozen_blocks_only_under_a_trained_position_tabl
     # glm-base (GPT-2 shaped, i = 4h): a trained block keeps (6 + 16 + 7 inputs) x 2 = 58 bytes, a frozen one
     # 22 x 2 = 44 (no inputs for weight gradients), the position table's gradient runs through all ten
     assert update("glm-base") == (2 * 58 + 10 * 44 + 6) * sbh == 220_987_392
+
+
+def test_colossalai_fp32_zero2_gradients_are_the_rank_s_part_and_a_bucket_by_hand():
+    """LowLevelZero at fp32: each rank keeps its half of the fp32 gradients (108,943,872 parameters / 2 x 4 bytes)
+    and the step hands them to the master as they are, no fp32 copy; the reduce bucket is 12 Mi fp32 values.
+    Under bf16 the step adds the fp32 copy of the rank's part (2 + 4 bytes a parameter over 2 ranks)."""
+    s = shape("colossalai", "sft", "zero=2", "precision=fp32")
+    grads = coati.predict(s)["training"].grads
+    assert grads == 4 * 108_943_872 / 2 == 217_887_744
+    bf16 = coati.predict(shape("colossalai", "sft", "zero=2"))["training"].grads
+    assert bf16 == (2 + 4) * 108_943_872 / 2

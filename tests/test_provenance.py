@@ -10,8 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.measure.environment import LIBRARIES, MATRIX_FLAGS, environment, git_commit, git_state, host
-from bench.run.worker import emulated_fp16
+from bench.run.worker import emulated_half
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -86,12 +88,18 @@ def test_the_host_and_every_library_a_run_may_import_are_recorded():
     assert env["host"] == found and env["git"]["commit"] == env["git_commit"].removesuffix("-dirty")
 
 
-def test_an_fp16_run_on_a_cpu_without_native_fp16_says_its_times_are_an_emulation():
+@pytest.mark.parametrize("precision, native_flags, opening", [
+    ("fp16", {"avx512_fp16", "amx_fp16"}, "fp16 on a CPU without avx512_fp16 or amx_fp16"),
+    ("bf16", {"avx512_bf16", "amx_bf16"}, "bf16 on a CPU without avx512_bf16 or amx_bf16")])
+def test_a_half_precision_run_on_a_cpu_without_its_instructions_says_its_times_are_an_emulation(
+        precision, native_flags, opening):
     listed = next(line for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True)
                   .stdout.splitlines() if line.startswith("Flags:")).split()[1:]
-    native = "avx512_fp16" in listed or "amx_fp16" in listed
-    assert (emulated_fp16("fp16", "cpu") is None) == native
-    assert emulated_fp16("bf16", "cpu") is None and emulated_fp16("fp16", "cuda") is None
+    note = emulated_half(precision, "cpu")
+    assert (note is None) == bool(native_flags & set(listed)), note
+    if note is not None:
+        assert note.startswith(opening), note
+    assert emulated_half("fp32", "cpu") is None and emulated_half(precision, "cuda") is None
 
 
 def test_a_host_type_says_when_its_matrix_instructions_were_not_recorded():

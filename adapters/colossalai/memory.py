@@ -81,18 +81,22 @@ def _linear_inputs(shape: RunShape) -> float:
 
 
 def _gradients(trainable: float, shape: RunShape) -> Terms:
-    """Half gradients (whole until reduced; partitioned at ZeRO-2) and the fp32 copy the step makes."""
+    """The working gradients (whole until reduced; partitioned at ZeRO-2) and, under mixed precision, the fp32
+    copy the step makes of this rank's part. At fp32 the step hands the master its part as it is (LowLevelZero's
+    `grad.to(master dtype)` copies nothing), and without ZeRO DDP keeps whole fp32 gradients."""
     dp, zero, vb = shape.data_parallel, shape.zero, shape.value_bytes
-    if not shape.mixed:
-        return Terms(grads=4 * trainable)
-    half = vb * trainable / (dp if zero >= 2 else 1)
+    working = vb * trainable / (dp if zero >= 2 else 1)
     bucket = vb * min(trainable, reduce_bucket_elements(shape)) if zero >= 1 else 0.0
-    return Terms(grads=half + 4 * trainable / (dp if zero >= 1 else 1), buffers=bucket)
+    fp32_copy = 4 * trainable / (dp if zero >= 1 else 1) if shape.mixed else 0.0
+    return Terms(grads=working + fp32_copy, buffers=bucket)
 
 
 def predict(shape: RunShape) -> dict[str, Terms]:
     vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
-    master = shape.mixed
+    # LowLevelZero (ZeRO-1/2) clones each rank's shard to fp32 as its master whatever the working dtype
+    # (master_weights=True, the plugin's default), so an fp32 run holds the shard twice; at ZeRO-0 only the 3d
+    # plugin's AMP optimizer keeps one (mixed precision; fp32 runs TorchDDPPlugin's plain optimizer)
+    master = shape.mixed or zero in (1, 2)
 
     def trained(role: str, lora: int) -> tuple[Terms, Terms, float]:
         params, trainable = role_params(shape, role, lora)

@@ -97,9 +97,10 @@ def _flags() -> set[str]:
     return set()
 
 
-# Native 16-bit and int8 matrix instructions: with neither avx512_fp16 nor amx_fp16, torch's fp16 matrix products
-# on the CPU take a slow path (75x fp32's time at glm-base's shapes on an AVX512 Xeon without them), so two hosts
-# of one model name but different flags do not time fp16 (or bf16, int8) alike
+# Native 16-bit and int8 matrix instructions: without them torch's half-precision matrix products on the CPU
+# take a slow path (fp16: 75x fp32's time at glm-base's shapes on an AVX512 Xeon without avx512_fp16 or amx_fp16;
+# bf16: 15-19x fp32's step time on an AVX2-only EPYC; bench.run.worker.NATIVE_HALF), so two hosts of one model
+# name but different flags do not time fp16 (or bf16, int8) alike
 MATRIX_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8")
 
 

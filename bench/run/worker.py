@@ -122,13 +122,24 @@ def classify(err: BaseException) -> str:
     return "error"
 
 
-def emulated_fp16(precision: str, device_type: str) -> str | None:
-    """The note an fp16 run on a CPU without native fp16 matrix instructions carries: its times are torch's
-    slow fp16 path, not the framework's (memory and numerics are unaffected)."""
-    if precision != "fp16" or device_type != "cpu" or {"avx512_fp16", "amx_fp16"} & set(matrix_isa()):
+# The native matrix instructions each half precision needs on the CPU (environment.MATRIX_FLAGS), and what
+# torch's fallback cost where they were missing: fp16 on an AVX512 Xeon without AVX512-FP16 or AMX, about 75x
+# fp32's time for glm-base's matrix products; bf16 on an AVX2-only AMD EPYC (no AVX-512 at all), 15-19x fp32's
+# step time in glm-base's SFT (DS-Chat, trlx and ColossalChat at ZeRO-2, batch 3, 64 + 96 tokens, 2 ranks)
+NATIVE_HALF = {"fp16": (("avx512_fp16", "amx_fp16"), "about 75x fp32's time for glm-base's matrix products"),
+               "bf16": (("avx512_bf16", "amx_bf16"), "15-19x fp32's step time in glm-base's SFT")}
+
+
+def emulated_half(precision: str, device_type: str) -> str | None:
+    """The note a half-precision run on a CPU without that precision's native matrix instructions carries: its
+    times are torch's slow path, not the framework's (memory and numerics are unaffected)."""
+    if precision not in NATIVE_HALF or device_type != "cpu":
         return None
-    return ("fp16 on a CPU without avx512_fp16 or amx_fp16: torch's fp16 matrix products take a slow path here "
-            "(about 75x fp32's time at glm-base's shapes), so this run's times are not the framework's")
+    flags, cost = NATIVE_HALF[precision]
+    if set(flags) & set(matrix_isa()):
+        return None
+    return (f"{precision} on a CPU without {' or '.join(flags)}: torch's {precision} matrix products take a slow "
+            f"path here ({cost} on such hosts), so this run's times are not the framework's")
 
 
 def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
@@ -159,7 +170,7 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         ctx = RankContext(rank=rank, world_size=world, local_rank=local_rank, device=device)
         if feed is not None:
             observers.append(feed)
-        emulated = emulated_fp16(spec.precision, device.type)
+        emulated = emulated_half(spec.precision, device.type)
         if emulated and feed is not None:
             feed.note(emulated)
         tracker.on_phase = _phase_listener(feed, watchdog)
