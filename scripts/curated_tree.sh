@@ -1,4 +1,4 @@
-# Sourced by the scripts whose runs become curated evidence (scripts/glm_sweep.sh, scripts/llama_rung.sh): what
+# Sourced by the scripts whose runs become curated evidence (scripts/glm_sweep.sh, scripts/cpu_rung.sh): what
 # makes their records evidence of one thing. They come from a clean git worktree of one commit, and from one host
 # type. The calling script sets SCRIPT (its name, for messages), here (the folder it runs in), python and full
 # (the commit's full hash) before it calls these.
@@ -59,11 +59,27 @@ host_fingerprint() {
      END {printf "%s (family %s model %s stepping %s) x %s, %s\n", n, f, m, s, cpus, isa}' /proc/cpuinfo
 }
 
-# host_guard LOG LABEL COUNT: refuses this host unless it is the one LOG's first session ran on (or NEW_HOST=ok),
-# then logs this session when the script ends, a stopped one's too: the time, LABEL (what it ran), the runs it
-# added (COUNT is a command that prints how many records there are), the host and the kernel.
+# native_bf16_guard: the curated cells are bf16, and a CPU with neither avx512_bf16 nor amx_bf16 sends torch's bf16
+# matrix products down a slow path (glm-base's SFT steps 15-19x fp32's on an AVX2-only AMD EPYC): hours become
+# days, and the times are an emulation's. Refused unless SLOW_BF16=ok. CPUINFO names the file the flags are read
+# from (default /proc/cpuinfo; tests hand it a made-up CPU).
+native_bf16_guard() {
+  local flags
+  flags=" $(grep -m1 '^flags' "${CPUINFO:-/proc/cpuinfo}" | cut -d: -f2) "
+  [[ $flags == *" avx512_bf16 "* || $flags == *" amx_bf16 "* || ${SLOW_BF16:-} == ok ]] && return
+  echo "$SCRIPT: this CPU has neither avx512_bf16 nor amx_bf16, so torch's bf16 matrix products take a slow path" \
+    "here (glm-base's SFT steps 15-19x fp32's on an AVX2-only AMD EPYC): the bf16 cells would take that many" \
+    "times the hours and time an emulation. Run on a host with them, or set SLOW_BF16=ok" >&2
+  exit 2
+}
+
+# host_guard LOG LABEL COUNT: refuses a CPU without native bf16 (native_bf16_guard) and this host unless it is the
+# one LOG's first session ran on (or NEW_HOST=ok), then logs this session when the script ends, a stopped one's
+# too: the time, LABEL (what it ran), the runs it added (COUNT is a command that prints how many records there
+# are), the host and the kernel.
 host_guard() {
   host_log=$1 host_label=$2 host_count=$3
+  native_bf16_guard
   here_host=$(host_fingerprint)
   local first
   first=$([ -f "$host_log" ] && grep -m1 -oP '(?<=\thost: )[^\t]*' "$host_log" || true)

@@ -62,7 +62,7 @@ for arg in "$@"; do
   case $arg in
     --dry-run) dry=1 ;;
     *) echo "glm_sweep.sh: unknown argument $arg; allowed: --dry-run (settings are environment variables:" \
-         "COMMIT, BLOCKS, PYTHON)" >&2; exit 2 ;;
+         "COMMIT, BLOCKS, PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
   esac
 done
 full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
@@ -106,8 +106,8 @@ if [ "$dry" = 0 ]; then
   }
   host_guard "$curated/pending/host-$commit.log" "blocks: ${BLOCKS:-$all_blocks}" count_records
 fi
-# glibc's mmap threshold fixed at 4 MiB for the glm-base cells, as on the Llama-shaped rung (scripts/llama_rung.sh):
-# both feed the memory model's calibration, which pools only runs of one allocator setting
+# glibc's mmap threshold fixed at 4 MiB for the glm-base cells, as on the CPU rungs (scripts/cpu_rung.sh) that feed
+# the memory model's calibration: one allocator setting for all the curated glm-base and llama-base runs
 common=(prompt_len=128 answer_len=128 batch=2 warmup_steps=1 stage_steps.rm=5 memory_mmap_threshold=4194304)
 all=dschat,colossalai,trlx,trl
 three=dschat,colossalai,trlx

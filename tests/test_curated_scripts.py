@@ -1,8 +1,8 @@
 """The provenance guarantees of the scripts whose runs become curated evidence (scripts/glm_sweep.sh and
-scripts/llama_rung.sh, through scripts/curated_tree.sh), on a clone of this repository: a dirty checkout is
+scripts/cpu_rung.sh, through scripts/curated_tree.sh), on a clone of this repository: a dirty checkout is
 refused, the runs come from a clean worktree of the named commit whose ignored results/ folders are the
 checkout's own, and a sweep resumed on another host type is refused. An unknown glm_sweep.sh block stops the
-script right after that set-up, before any run; llama_rung.sh is checked through its refusals, which come
+script right after that set-up, before any run; cpu_rung.sh is checked through its refusals, which come
 before its first run."""
 
 from __future__ import annotations
@@ -29,16 +29,26 @@ def clone(tmp_path: Path) -> Path:
     return target
 
 
-def _sweep(clone: Path, script: str = "glm_sweep", **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["bash", f"scripts/{script}.sh"], cwd=clone, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "BLOCKS": "none", **env})
+def _cpuinfo(clone: Path, flags: str) -> str:
+    """A made-up /proc/cpuinfo with these flags, for the scripts' bf16 check (CPUINFO)."""
+    path = clone.parent / f"cpuinfo-{abs(hash(flags))}"
+    path.write_text(f"processor\t: 0\nmodel name\t: Imaginary CPU\nflags\t\t: {flags}\n")
+    return str(path)
 
 
-@pytest.mark.parametrize("script", ["glm_sweep", "llama_rung"])
-def test_a_checkout_with_uncommitted_changes_is_refused(clone: Path, script: str) -> None:
+def _sweep(clone: Path, script: str = "glm_sweep", *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    """The script run in the clone; its bf16 check reads a CPU with AMX-BF16 unless CPUINFO names another."""
+    env = {"CPUINFO": _cpuinfo(clone, "fpu sse2 avx2 avx512f amx_bf16 amx_tile"), **env}
+    return subprocess.run(["bash", f"scripts/{script}.sh", *args], cwd=clone, capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "BLOCKS": "none", **env})
+
+
+@pytest.mark.parametrize("script, args", [("glm_sweep", ()), ("cpu_rung", ("llama-base",)),
+                                          ("cpu_rung", ("glm-base",))])
+def test_a_checkout_with_uncommitted_changes_is_refused(clone: Path, script: str, args: tuple[str, ...]) -> None:
     with open(clone / "README.md", "a") as f:
         f.write("an uncommitted line\n")
-    done = _sweep(clone, script)
+    done = _sweep(clone, script, *args)
     assert done.returncode == 2 and "uncommitted changes" in done.stderr, done.stderr
     assert not (clone / "results" / "worktrees").exists()
 
@@ -94,19 +104,54 @@ def test_a_sweep_on_the_host_it_began_on_goes_on(clone: Path) -> None:
     assert first == second
 
 
-def test_the_llama_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path) -> None:
-    """Its own log (host-llama-base-<commit>.log), checked in the worktree of the named commit: a made-up first
-    host is refused there, before the rung's first run, and nothing is logged."""
+@pytest.mark.parametrize("model, rung", [("llama-base", "llama-base"), ("glm-base", "glm-base-rung")])
+def test_a_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path, model: str, rung: str) -> None:
+    """Its own log (host-<rung>-<commit>.log; glm-base's rung keeps apart from the glm-base sweep's
+    host-<commit>.log), checked in the worktree of the named commit: a made-up first host is refused there,
+    before the rung's first run, and nothing is logged."""
     commit = _git(clone, "rev-parse", "HEAD")
-    log = clone / "results" / "pending" / f"host-llama-base-{commit[:12]}.log"
+    log = clone / "results" / "pending" / f"host-{rung}-{commit[:12]}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text("2026-01-01T00:00Z\trung: llama-base (3 runs added)\thost: Imaginary CPU x 64, amx_fp16\t"
+    log.write_text(f"2026-01-01T00:00Z\trung: {model} (3 runs added)\thost: Imaginary CPU x 64, amx_fp16\t"
                    "kernel: 1\n")
     with open(clone / "README.md", "a") as f:
         f.write("an uncommitted line: the checkout may change while a named commit's rung runs\n")
-    refused = _sweep(clone, "llama_rung", COMMIT=commit)
+    refused = _sweep(clone, "cpu_rung", model, COMMIT=commit)
     assert refused.returncode == 2 and "is not the one the sweep" in refused.stderr, refused.stderr
-    assert "Imaginary CPU x 64" in refused.stderr and len(_host_lines(clone, commit, "llama-base-")) == 1
+    assert "Imaginary CPU x 64" in refused.stderr and len(_host_lines(clone, commit, f"{rung}-")) == 1
     tree = clone / "results" / "worktrees" / commit[:12]
     assert _git(tree, "rev-parse", "HEAD") == commit and _git(tree, "status", "--porcelain") == ""
-    assert not (clone / "results" / "sweeps" / f"llama-base-{commit[:12]}").exists()  # no run began
+    assert not (clone / "results" / "sweeps" / f"{rung}-{commit[:12]}").exists()  # no run began
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "cpu_rung.sh: name the rung's model: llama-base or glm-base"),
+    (("glm-large",), "cpu_rung.sh: unknown argument glm-large; allowed: llama-base or glm-base"),
+    (("glm-base", "llama-base"), "cpu_rung.sh: one model, not glm-base and llama-base")])
+def test_a_rung_takes_one_of_the_two_rung_models(clone: Path, args: tuple[str, ...], message: str) -> None:
+    done = _sweep(clone, "cpu_rung", *args)
+    assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
+    assert not (clone / "results" / "worktrees").exists()
+
+
+@pytest.mark.parametrize("script, args, log", [("glm_sweep", (), "host-"),
+                                               ("cpu_rung", ("glm-base",), "host-glm-base-rung-")])
+def test_a_cpu_without_native_bf16_is_refused_unless_told(clone: Path, script: str, args: tuple[str, ...],
+                                                          log: str) -> None:
+    """The bf16 check comes before the host check: with a made-up first host in the log, a CPU the check lets
+    through stops at the host check, so nothing runs. avx512_bf16 is a whole flag (avx512_bf16x is not it)."""
+    commit = _git(clone, "rev-parse", "HEAD")
+    host_log = clone / "results" / "pending" / f"{log}{commit[:12]}.log"
+    host_log.parent.mkdir(parents=True, exist_ok=True)
+    host_log.write_text("2026-01-01T00:00Z\tblocks: A2 (1 runs added)\thost: Imaginary CPU x 64, amx_bf16\t"
+                        "kernel: 1\n")
+    slow = _cpuinfo(clone, "fpu sse2 avx2 avx512f avx512_bf16x amx_tile")
+    refused = _sweep(clone, script, *args, COMMIT=commit, CPUINFO=slow)
+    assert refused.returncode == 2 and "this CPU has neither avx512_bf16 nor amx_bf16" in refused.stderr, \
+        refused.stderr
+    assert "SLOW_BF16=ok" in refused.stderr and "is not the one the sweep" not in refused.stderr
+    for cpuinfo, extra in ((slow, {"SLOW_BF16": "ok"}), (_cpuinfo(clone, "avx2 avx512_bf16"), {})):
+        passed = _sweep(clone, script, *args, COMMIT=commit, CPUINFO=cpuinfo, **extra)
+        assert passed.returncode == 2 and "is not the one the sweep" in passed.stderr, passed.stderr
+        assert "neither avx512_bf16" not in passed.stderr
+    assert len(host_log.read_text().splitlines()) == 1  # no session ran

@@ -168,7 +168,7 @@ def _script_form(args: list[str], env: dict[str, str], tier: str) -> Form:
         return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the sweep takes hours", env=env)
     if script == "scripts/slurm_local.sh":
         return Form(["bash", "-n", script], "SLURM's daemons as root: tests/test_multinode.py starts and stops them")
-    if script == "scripts/llama_rung.sh":
+    if script == "scripts/cpu_rung.sh":
         return Form(["bash", script, *_with(args[1:], "--dry-run")], "its dry run: the rung takes hours")
     raise AssertionError(f"no runner for the script {script}")
 

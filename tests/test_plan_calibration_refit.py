@@ -95,10 +95,11 @@ def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored
 
 
 def test_the_llama_rung_pairs_each_regime_s_batch_2_and_batch_4_runs():
-    """The rung's design (scripts/llama_rung.sh): full fine-tuning and LoRA 64 at ZeRO-2 and full fine-tuning at
-    ZeRO-3, each with batch 2 and 4, for DS-Chat, ColossalChat (no ZeRO-3: Gemini needs CUDA, `unsupported`) and
-    trlx, 128 + 128 tokens; so the batch shares are fitted on 3 x 3 x 2 + 2 x 3 = 24 pairs at 2 x 256 and 4 x 256
-    tokens, and no stage is left without its pair. glm-base ran every configuration at batch 2: no pairs."""
+    """The rung's design (scripts/cpu_rung.sh llama-base): full fine-tuning and LoRA 64 at ZeRO-2 and full
+    fine-tuning at ZeRO-3, each with batch 2 and 4, for DS-Chat, ColossalChat (no ZeRO-3: Gemini needs CUDA,
+    `unsupported`) and trlx, 128 + 128 tokens; so the batch shares are fitted on 3 x 3 x 2 + 2 x 3 = 24 pairs at
+    2 x 256 and 4 x 256 tokens, and no stage is left without its pair. glm-base ran every configuration at batch
+    2: no pairs."""
     from collections import defaultdict
 
     records = _records([str(REPO / "results/examples/llama-base"), str(REPO / GPT2_LADDER)])

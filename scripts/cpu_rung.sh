@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# A CPU rung of the memory model: `bash scripts/cpu_rung.sh MODEL`, MODEL llama-base (124.7 M parameters; RMSNorm,
+# SwiGLU, rotary positions, an untied head) or glm-base (GPT-2-shaped with GLM's proportions, 108.9 M), on 2 ranks,
+# 128 prompt + 128 answer tokens, 4 steps with 1 warm-up step, seed 1: SFT, RM and PPO of DS-Chat, ColossalChat and
+# trlx (the frameworks with a memory model) in each of the calibration's regimes: full fine-tuning at ZeRO-2, LoRA
+# 64 at ZeRO-2 and full fine-tuning at ZeRO-3, each with batch 2 and with batch 4 (two configurations of a regime,
+# so leaving one out leaves the other to fit on, and a pair the calibration's batch shares are fitted on; coati's
+# Gemini needs CUDA: its ZeRO-3 is `unsupported` in seconds). Both rungs have this one design, so the calibration
+# fitted on them pools like with like; the glm-base rung stands beside the glm-base sweep (scripts/glm_sweep.sh,
+# the report's evidence), which would take ten hours to measure again under a new setting.
+# glibc's mmap threshold is fixed at 4 MiB (memory_mmap_threshold, docs/performance.md "The allocator setting"):
+# the host peaks then follow the live tensors instead of the threshold glibc raises as it frees, which made trlx's
+# ZeRO-3 PPO peaks fall from batch 2 to 4. Run time: llama-base 1.5 hours at a49bc134e77c on the host type with AMX
+# (one session); a CPU without native bf16 matrix instructions runs the bf16 cells 15-19x slower.
+# The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
+# runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that
+# spans sessions finishes at the commit it began at while the branch moves on. Re-running at the same commit
+# resumes: finished cells are kept, and after every multirun the records are copied to results/pending/<rung>/
+# (kept by git, with host-<rung>.log, the host of each session; <rung> is llama-base-<commit> or
+# glm-base-rung-<commit>) so that a rung spanning sessions or machines resumes from them (a stopped session copies
+# the runs it finished too: the resumed rung skips what finished and runs the rest).
+# When every cell is done they become results/examples/llama-base or results/examples/glm-base-rung (hosts.log and
+# the report beside them) and, once both rungs are there, the accuracy is printed: the planner's physics with each
+# framework's calibration, fitted on both rungs, every configuration predicted by a fit that left it out:
+#   python -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
+#     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=4194304 --dry-run
+#
+# `bash scripts/cpu_rung.sh MODEL --dry-run` prints every cell, each checked by `bench.run --dry-run`; nothing runs.
+set -euo pipefail
+scripts=$(cd "$(dirname "$0")" && pwd)
+cd "${SWEEP_TREE:-$scripts/..}"
+export OMP_NUM_THREADS=1
+here=$(pwd)
+python=${PYTHON:-$here/.venv/bin/python}
+SCRIPT=cpu_rung.sh
+# shellcheck source=scripts/curated_tree.sh
+source "$scripts/curated_tree.sh"
+dry=0
+model=""
+for arg in "$@"; do
+  case $arg in
+    --dry-run) dry=1 ;;
+    llama-base|glm-base) [ -z "$model" ] || { echo "cpu_rung.sh: one model, not $model and $arg" >&2; exit 2; }
+                         model=$arg ;;
+    *) echo "cpu_rung.sh: unknown argument $arg; allowed: llama-base or glm-base (the rung's model), --dry-run" \
+         "(settings are environment variables: COMMIT, PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
+  esac
+done
+[ -n "$model" ] || { echo "cpu_rung.sh: name the rung's model: llama-base or glm-base" >&2; exit 2; }
+full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
+  echo "cpu_rung.sh: COMMIT=${COMMIT:-HEAD} is not a commit of this repository" >&2; exit 2; }
+commit=${full:0:12}
+# glm-base's own names are the sweep's (results/pending/glm-base-<commit>, results/examples/glm-base): its rung
+# keeps apart from them
+case $model in
+  llama-base) rung=llama-base ;;
+  glm-base) rung=glm-base-rung ;;
+esac
+name=$rung-$commit
+dir=results/sweeps/$name
+cells=(
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=2"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=4"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=2"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=4"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=2"
+  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
+)
+common=(model=$model launcher.nproc=2 precision=bf16 prompt_len=128 answer_len=128 steps=4 warmup_steps=1
+        stage_steps.rm=5 seed=1 memory_mmap_threshold=4194304 launcher.timeout_s=3600 sweep_name="$name")
+if [ "$dry" = 1 ]; then
+  for cell in "${cells[@]}"; do
+    # shellcheck disable=SC2086 # each cell is a list of overrides
+    printf '%q ' -m "${common[@]}" $cell
+    echo
+  done | "$python" -m bench.run.dry_run
+  exit
+fi
+[ -n "${CURATED_ROOT:-}" ] || curated_worktree scripts/cpu_rung.sh "$@"
+curated_worktree_is_clean
+curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
+pending=$curated/pending/$name
+count_records() { { find "$dir" -name record.json 2>/dev/null || true; } | wc -l; }
+host_guard "$curated/pending/host-$name.log" "rung: $model" count_records
+keep_records() { mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$pending/" \;); }
+trap 'keep_records; log_session' EXIT
+mkdir -p "$dir"
+if [ -d "$pending" ]; then  # resume from the records a session before this one kept
+  (cd "$pending" && find . -name record.json -exec cp -n --parents {} "$here/$dir/" \;)
+fi
+for cell in "${cells[@]}"; do
+  # shellcheck disable=SC2086
+  "$python" -m bench.run -m "${common[@]}" $cell
+  find "$dir" -mindepth 3 -maxdepth 3 -type d \( -name checkpoint -o -name checkpoints \) -prune -exec rm -rf {} +
+  keep_records
+done
+example=$curated/examples/$rung
+rm -rf "$example" && mkdir -p "$example"
+(cd "$dir" && find . -name record.json -exec cp --parents {} "$example/" \;)
+rm -rf "$pending"
+trap - EXIT && log_session
+mv "$host_log" "$example/hosts.log"
+(cd "$curated/.." && "$python" -m bench.report "$example" --out "$example/report")
+# the accuracy with the calling checkout's code (the current physics), not the measured commit's, once both rungs
+# are measured (bench.plan.calibrate refuses rungs of two allocator settings or floor rules)
+cd "$curated/.."
+for other in llama-base glm-base-rung; do
+  [ -d "results/examples/$other" ] || { echo "cpu_rung.sh: results/examples/$other is not measured yet; the" \
+    "accuracy needs both rungs"; exit 0; }
+done
+"$python" -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
+  --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=4194304 --dry-run
