@@ -10,9 +10,16 @@ partition. At ZeRO-0 with bf16 the BF16_Optimizer keeps a whole fp32 gradient pe
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from bench.plan.physics import Terms
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
+# DeepSpeed's defaults for stage3_max_reuse_distance and stage3_param_persistence_threshold (runtime/zero/config.py):
+# neither framework sets the distance; DS-Chat sets the threshold to 1e4 (ds_utils.py), trlx's accelerate plugin
+# leaves it
+REUSE_DISTANCE_ELEMENTS = 1_000_000_000
+PERSISTENCE_THRESHOLD = 100_000
 
 
 def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
@@ -51,6 +58,20 @@ def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str,
     bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
     touched = bucket_elements if device == "cuda" else min(trainable, bucket_elements)
     return Terms(buffers=value_bytes * touched)
+
+
+def zero3_kept_gathered(tensor_numels: Iterable[int], value_bytes: int, persistence_threshold: int) -> float:
+    """What a ZeRO-3 engine keeps gathered whole when its forward turns into its backward, once it has traced a
+    step (a loop that repeats one forward and backward: SFT, RM training, and DS-Chat's RM scoring between them).
+    After a module's forward it releases a parameter only if the parameter's next use in the trace lies more than
+    stage3_max_reuse_distance elements ahead (partitioned_param_coordinator.__params_to_release); the backward
+    uses every one again within that distance on a model of up to 1e9 elements, so the whole model stays
+    gathered. Parameters of at most `persistence_threshold` elements are never partitioned (the state counts them
+    whole). Measured with scripts/peak_moment.py (llama-base, fp32, 2 ranks): 476 MiB gathered at once in DS-Chat's
+    and trlx's SFT (the whole LM), 382 MiB in their RM training (the backbone) and DS-Chat's RM scoring; PPO's
+    engines, whose traces the rollouts keep changing, release each module after use (at most 118-288 MiB)."""
+    gathered = sum(n for n in tensor_numels if n > persistence_threshold)
+    return value_bytes * min(gathered, REUSE_DISTANCE_ELEMENTS)
 
 
 def eager_gradient_bytes(trainable: float, precision: str, zero: int) -> float:

@@ -20,6 +20,7 @@ from adapters.deepspeed_memory import (
     gradient_terms,
     held_gradient_bytes,
     resident_buffers,
+    zero3_kept_gathered,
 )
 from bench.plan.physics import ALL_LORA_LAYERS, Terms, peak
 from bench.plan.run_shape import (
@@ -46,6 +47,23 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     targets = shape.lora_targets or ALL_LORA_LAYERS
     added = arch.lora_params(lora, targets)
     return params + added, params + added - arch.block_weights(targets)
+
+
+# ds_utils.get_train_ds_config's stage3_param_persistence_threshold: tensors of at most this many elements stay whole
+PERSISTENCE_THRESHOLD = 10_000
+
+
+def kept_gathered(shape: RunShape, role: str) -> Terms:
+    """ZeRO-3's parameters kept gathered through a traced step (adapters/deepspeed_memory.zero3_kept_gathered): every
+    tensor of the role's model (the LM, or the backbone and its value head), LoRA factors included."""
+    if shape.zero < 3:
+        return Terms()
+    arch = shape.arch
+    numels = arch.tensor_numels(lm_head=role not in ("critic", "reward")) + arch.lora_numels(
+        shape.lora, shape.lora_targets or ALL_LORA_LAYERS)
+    if role in ("critic", "reward"):
+        numels.append(arch.hidden)  # the value head
+    return Terms(buffers=zero3_kept_gathered(numels, shape.value_bytes, PERSISTENCE_THRESHOLD))
 
 
 def predict(shape: RunShape) -> dict[str, Terms]:
@@ -83,10 +101,11 @@ def predict(shape: RunShape) -> dict[str, Terms]:
             work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True)
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True)
+        kept = kept_gathered(shape, role)
         phases = {"init": init, "training": state + Terms(grads=eager_gradient_bytes(
-            role_params(shape, role, shape.lora)[1], shape.precision, zero)) + grads + work}
-        if shape.stage == "rm":
-            phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
+            role_params(shape, role, shape.lora)[1], shape.precision, zero)) + grads + work + kept}
+        if shape.stage == "rm":  # scoring follows the traced step's forward: it keeps the same gathered
+            phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq) + kept
         return phases
 
     actor, actor_grads, actor_during, actor_after = trained("actor", shape.lora)

@@ -17,7 +17,13 @@ over the whole rollout.
 
 from __future__ import annotations
 
-from adapters.deepspeed_memory import engine_build, gradient_terms, resident_buffers
+from adapters.deepspeed_memory import (
+    PERSISTENCE_THRESHOLD,
+    engine_build,
+    gradient_terms,
+    resident_buffers,
+    zero3_kept_gathered,
+)
 from adapters.lora_targets import PEFT_DEFAULTS
 from adapters.trlx.options import default_layers_unfrozen
 from bench.plan.physics import Terms, peak
@@ -130,6 +136,20 @@ def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
                  - weights * weight_bytes)
 
 
+def kept_gathered(shape: RunShape) -> Terms:
+    """ZeRO-3's parameters kept gathered through a traced SFT or RM training step
+    (adapters/deepspeed_memory.zero3_kept_gathered): every tensor of the LM, or of the reward model's backbone and
+    value head (its frozen blocks too, measured), with peft's factors. RM scoring runs outside the trace and
+    releases each module after use (at most the word embedding gathered, measured)."""
+    if shape.zero < 3:
+        return Terms()
+    arch = shape.arch
+    numels = arch.tensor_numels(lm_head=shape.stage == "sft") + arch.lora_numels(shape.lora, _targets(shape))
+    if shape.stage == "rm":
+        numels.append(arch.hidden)  # the value head
+    return Terms(buffers=zero3_kept_gathered(numels, shape.value_bytes, PERSISTENCE_THRESHOLD))
+
+
 def predict(shape: RunShape) -> dict[str, Terms]:
     vb = shape.value_bytes
     fp32_logits = 4 / vb  # one fp32 [B, T, V] tensor in units of the compute dtype
@@ -148,12 +168,12 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     if role == "sft":
         work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape),
                                 linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        return {"init": init, "training": state + grads + work}
+        return {"init": init, "training": state + grads + work + kept_gathered(shape)}
     if role == "rm":
         frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
         work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True, frozen_layers=frozen,
                                 linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        return {"init": init, "training": state + grads + work,
+        return {"init": init, "training": state + grads + work + kept_gathered(shape),
                 "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
     rm_params = shape.arch.backbone_params + shape.arch.hidden
     reward_fn = frozen_role(shape, "reward", rm_params, vb)  # rank 0

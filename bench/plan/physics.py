@@ -125,6 +125,23 @@ class Arch:
         """The causal LM's unique parameters (a tied output embedding once)."""
         return self.backbone_params + self.head_params
 
+    def tensor_numels(self, lm_head: bool = True) -> list[int]:
+        """The element count of each parameter tensor (`lm_head` False: the backbone a value head sits on):
+        the word embedding and any position tables, each block's linear weights (a fused module once), their
+        biases and norms, the final norm and an untied head. What ZeRO-3 partitions or keeps whole goes by
+        these (adapters/deepspeed_memory.py)."""
+        traits = self.traits
+        norm = [self.hidden] * (2 if traits.norm == "layernorm" else 1)
+        block = []
+        for name, (d_in, d_out) in self._modules(traits.meanings).items():
+            block.append(d_in * d_out)
+            if any(traits.modules[m] == name for m in traits.biased):
+                block.append(d_out)
+        block += 2 * norm
+        positions = [self.positions * self.hidden] * self.position_tables if traits.learned_positions else []
+        head = [self.vocab * self.hidden] if lm_head and not self.tied else []
+        return [self.vocab * self.hidden, *positions, *block * self.layers, *norm, *head]
+
     @property
     def largest_layer_params(self) -> int:
         """The largest single module's own parameters (DeepSpeed's ZeRO-3 estimator): the word embedding,
@@ -143,6 +160,13 @@ class Arch:
         if rank < 0:
             raise ValueError(f"lora rank={rank} must be >= 0")
         return rank * self.layers * sum(d_in + d_out for d_in, d_out in self._modules(targets).values())
+
+    def lora_numels(self, rank: int, targets: tuple[str, ...] = ALL_LORA_LAYERS) -> list[int]:
+        """The element count of each LoRA factor lora_params counts: A (r x d_in) and B (d_out x r) per module."""
+        if not rank:
+            return []
+        return [n for d_in, d_out in self._modules(targets).values() for n in (rank * d_in, rank * d_out)
+                ] * self.layers
 
     def block_weights(self, targets: tuple[str, ...] = ALL_LORA_LAYERS) -> int:
         """The weights (no biases) of the `targets` linear maps over all blocks: GPT-2's four give 12*h^2 per
