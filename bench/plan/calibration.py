@@ -2,18 +2,17 @@
 runs and kept apart from it.
 
 One term per framework, stage, phase and regime: the median, over the fitted runs, of measured minus predicted
-growth, per 16-bit width of the run's values (an offset in bytes at 16 bits, twice that in fp32: the heap
-freed tensors leave behind is as wide as they are). Regimes: `zero3` (parameters gathered block by block: the
-measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framework's ZeRO-0 is another engine
-(trlx: accelerate's DDP with fp32 weights and autocast; its memory model says so with ZERO0_OWN_ENGINE;
-without fitted runs it takes `full`'s offset), `lora` (many small trained tensors: a different allocator
-pattern) and `full`. For each model the fit saw, a factor per stage and phase scales the offsets of 100 MiB or
-more: the median ratio of that model's residuals there to the pooled offsets (the architecture sets the sizes of
-the tensors a phase frees, and so its slack); a model the fit never saw takes the pooled offsets. Offsets are
-stated at REFERENCE_TOKENS tokens a micro-batch; a share per stage and phase of a run's offset grows in
-proportion to its micro-batch's tokens (the slack of freed activations grows with them, build-time slack does
-not): fitted from runs that differ only in the micro-batch, the median over such pairs of how their residuals
-grow, between none and all of it.
+growth, per 16-bit width of the run's values (an offset in bytes at 16 bits, twice that in fp32: the heap freed
+tensors leave behind is as wide as they are). Regimes: `zero3` (parameters gathered and released as modules run: the
+measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framework's ZeRO-0 is another engine (trlx:
+accelerate's DDP with fp32 weights and autocast; its memory model says so with ZERO0_OWN_ENGINE; without fitted runs
+it takes `full`'s offset), `lora` (many small trained tensors: a different allocator pattern) and `full`. For each
+model the fit saw, a factor per stage and phase scales the offsets of 100 MiB or more: the median ratio of that
+model's residuals there to the pooled offsets (the architecture sets the sizes of the tensors a phase frees, and so
+its slack); a model the fit never saw takes the pooled offsets. Offsets are stated at REFERENCE_TOKENS tokens a
+micro-batch; a share per stage and phase of a run's offset grows in proportion to its micro-batch's tokens (the
+slack of freed activations grows with them, build-time slack does not): fitted from runs that differ only in the
+micro-batch, the median over such pairs of how their residuals grow, between none and all of it.
 What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
 later phase reuses or that fragmentation pins: torch's own live bytes over a trlx RM step peak at the
 activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp32
