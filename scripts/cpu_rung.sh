@@ -8,10 +8,14 @@
 # Gemini needs CUDA: its ZeRO-3 is `unsupported` in seconds). Both rungs have this one design, so the calibration
 # fitted on them pools like with like; the glm-base rung stands beside the glm-base sweep (scripts/glm_sweep.sh,
 # the report's evidence), which would take ten hours to measure again under a new setting.
-# glibc's mmap threshold is fixed at 4 MiB (memory_mmap_threshold, docs/performance.md "The allocator setting"):
-# the host peaks then follow the live tensors instead of the threshold glibc raises as it frees, which made trlx's
-# ZeRO-3 PPO peaks fall from batch 2 to 4. Run time: llama-base 1.5 hours at a49bc134e77c on the host type with AMX
-# (one session); a CPU without native bf16 matrix instructions runs the bf16 cells 15-19x slower.
+# glibc's mmap threshold is fixed at 128 KiB, its own starting value, never raised (memory_mmap_threshold,
+# docs/performance.md "The allocator setting" and "A lower threshold"): every activation is then mapped and returned
+# at its free, and the host peaks follow the live tensors. glibc's own threshold rises to the size of tensors freed
+# earlier, which made trlx's ZeRO-3 PPO peaks fall from batch 2 to 4; the 4 MiB the a49bc134e77c rung was measured
+# at sits inside the rungs' tensor sizes, so a tensor class crosses it as the batch doubles and the slack moved
+# with the batch (the misses left out there). Run time: llama-base 1.5 hours at a49bc134e77c at 4 MiB on the host
+# type with AMX (one session); 128 KiB adds about 20-25 s to each ZeRO-3 rollout (faults of the gathered weights),
+# about 25 minutes to a rung; a CPU without native bf16 matrix instructions runs the bf16 cells 15-19x slower.
 # The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
 # runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that
 # spans sessions finishes at the commit it began at while the branch moves on. Re-running at the same commit
@@ -23,7 +27,7 @@
 # the report beside them) and, once both rungs are there, the accuracy is printed: the planner's physics with each
 # framework's calibration, fitted on both rungs, every configuration predicted by a fit that left it out:
 #   python -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
-#     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=4194304 --dry-run
+#     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=131072 --dry-run
 #
 # `bash scripts/cpu_rung.sh MODEL --dry-run` prints every cell, each checked by `bench.run --dry-run`; nothing runs.
 set -euo pipefail
@@ -67,7 +71,7 @@ cells=(
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
 common=(model=$model launcher.nproc=2 precision=bf16 prompt_len=128 answer_len=128 steps=4 warmup_steps=1
-        stage_steps.rm=5 seed=1 memory_mmap_threshold=4194304 launcher.timeout_s=3600 sweep_name="$name")
+        stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=3600 sweep_name="$name")
 if [ "$dry" = 1 ]; then
   for cell in "${cells[@]}"; do
     # shellcheck disable=SC2086 # each cell is a list of overrides
@@ -109,4 +113,4 @@ for other in llama-base glm-base-rung; do
     "accuracy needs both rungs"; exit 0; }
 done
 "$python" -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
-  --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=4194304 --dry-run
+  --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=131072 --dry-run
