@@ -14,8 +14,9 @@
 # earlier, which made trlx's ZeRO-3 PPO peaks fall from batch 2 to 4; the 4 MiB the a49bc134e77c rung was measured
 # at sits inside the rungs' tensor sizes, so a tensor class crosses it as the batch doubles and the slack moved
 # with the batch (the misses left out there). Run time: llama-base 1.5 hours at a49bc134e77c at 4 MiB on the host
-# type with AMX (one session); 128 KiB adds about 20-25 s to each ZeRO-3 rollout (faults of the gathered weights),
-# about 25 minutes to a rung; a CPU without native bf16 matrix instructions runs the bf16 cells 15-19x slower.
+# type with AMX (one session); 128 KiB adds about 26 s to each ZeRO-3 rollout (faults of the gathered weights,
+# measured on the AVX2 host: scripts/rollout_cost.py), about 18 minutes to the rung (an estimate); a CPU without
+# native bf16 matrix instructions runs the bf16 cells 15-19x slower.
 # The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
 # runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that
 # spans sessions finishes at the commit it began at while the branch moves on. Re-running at the same commit
