@@ -3,11 +3,11 @@
 # warm-up step, glibc's mmap threshold fixed at 128 KiB (memory_mmap_threshold; docs/performance.md), from a clean
 # checkout at one commit (refused otherwise: curated evidence names one commit and no uncommitted code). Sized for
 # one night of a 2-core machine: about 10 hours, from the run times measured at a5a0ece258c5 under glibc's own
-# threshold, which the fixed one lengthens (4 MiB by up to a third, 128 KiB more at ZeRO-3) (minutes per run,
-# prerequisites cached: SFT 1.2, RM 3.5 (its held-out evaluation 1.8), PPO DS-Chat 6.4, coati 10.2, trlx 19.5, TRL
-# about 9; ZeRO-3 about 2x, glm-large about 3x). 3 seeds where a verdict or a decision-tree leaf reads the cell, 1
-# seed where only a table, a figure or the planner's calibration (fitted on seed 1) does: the tree takes each
-# framework's fastest cell among those with 3 seeds, so a single-seed cell never decides a leaf.
+# threshold, which the fixed one lengthens (4 MiB by up to a third; 128 KiB adds about 26 s to a ZeRO-3 rollout)
+# (minutes per run, prerequisites cached: SFT 1.2, RM 3.5 (its held-out evaluation 1.8), PPO DS-Chat 6.4, coati
+# 10.2, trlx 19.5, TRL about 9; ZeRO-3 about 2x, glm-large about 3x). 3 seeds where a verdict or a decision-tree
+# leaf reads the cell, 1 seed where only a table, a figure or the planner's calibration (fitted on seed 1) does: the
+# tree takes each framework's fastest cell among those with 3 seeds, so a single-seed cell never decides a leaf.
 #
 # Blocks, in the order they run (a partial night leaves the verdicts' cells done first):
 #   A2  bf16 full fine-tuning at ZeRO-2, SFT, RM and PPO, every framework, 3 seeds     (A1-A3, the tree, B10's base)
