@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bench.plan.physics import Terms
+from bench.plan.physics import Terms, peak
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
 # DeepSpeed's defaults for stage3_max_reuse_distance and stage3_param_persistence_threshold (runtime/zero/config.py):
@@ -23,18 +23,23 @@ PERSISTENCE_THRESHOLD = 100_000
 
 
 def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
-                   bucket_elements: int | None = None) -> Terms:
-    """Gradient bytes of one trained model at the end of its backward on one rank, on top of the eager fp32
-    gradients (eager_gradient_bytes). ZeRO-2 fills and frees its reduce bucket (`bucket_elements`:
-    ds.reduce_bucket_size, None for DeepSpeed's default) within the backward; ZeRO-3 keeps it
-    (resident_buffers)."""
+                   bucket_elements: int | None = None) -> tuple[Terms, Terms]:
+    """(kept, made): gradient bytes of one trained model at the end of its backward on one rank, on top of the
+    eager fp32 gradients (eager_gradient_bytes), split by lifetime. `kept` lives from step to step: ZeRO-3's
+    partition of the half gradients (stage3's grad_partitions_flat_buffer, zeroed at build). `made` is allocated
+    within each step and freed after it (run_shape.step_transient): the half gradients on the parameters
+    (ZeRO-0/1, until the step), ZeRO-2's reduce bucket (`bucket_elements`: ds.reduce_bucket_size, None for
+    DeepSpeed's default) and fp32 gradient partition (setup_buckets at the backward's start,
+    _release_ipg_buffers at its end), and the fp32 gradients the step flattens at ZeRO-3."""
     bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
     # ZeRO-2 copies each half gradient into the bucket as its hook fires and drops it; ZeRO-3 keeps the
     # rank's partition of them; ZeRO-0/1 keep them whole until the step
     half = 0.0 if zero == 2 else value_bytes * trainable / (dp if zero >= 3 else 1)
     fp32 = 0.0 if eager_gradient_bytes(trainable, precision, zero) else 4 * trainable / (dp if zero >= 1 else 1)
     bucket = value_bytes * min(trainable, bucket_elements) if zero == 2 else 0.0
-    return Terms(grads=half + fp32, buffers=bucket)
+    if zero >= 3:
+        return Terms(grads=half), Terms(grads=fp32)
+    return Terms(), Terms(grads=half + fp32, buffers=bucket)
 
 
 def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, precision: str) -> float:
@@ -79,15 +84,21 @@ def eager_gradient_bytes(trainable: float, precision: str, zero: int) -> float:
     return 4 * trainable if (zero == 0 and precision == "bf16") else 0.0
 
 
-def engine_build(params: float, trainable: float, value_bytes: int, zero: int, dp: int, mixed: bool
-                 ) -> tuple[Terms, Terms]:
+def engine_build(params: float, trainable: float, value_bytes: int, zero: int, dp: int, mixed: bool,
+                 returned: bool = False) -> tuple[Terms, Terms]:
     """(peak while DeepSpeed wraps a model built whole, what the engine keeps after) at ZeRO-1/2, measured
     with RSS around `deepspeed.initialize` (DS-Chat and trlx, glm-base): the weights are cast in place, the
-    trained ones copied into a flat buffer, then the fp32 master partition and the fp32 gradient partition
-    are made (16-bit) -- Adam's moments wait for the first step. In fp32 the flat copy is the peak and no
-    separate gradient partition is made up front."""
+    trained ones copied into a flat buffer (their own tensors then freed: the engine keeps the weights once),
+    then the fp32 master partition and the fp32 gradient partition are made (16-bit) -- Adam's moments wait for
+    the first step. In fp32 the flat copy is the peak and no separate gradient partition is made up front.
+    With the freed heap kept resident the trained weights' freed pages stay under the partitions made after;
+    `returned` (run_shape.RunShape.freed_returned) gives them back first, and the build peaks at the flat copy
+    or at what the engine keeps, whichever is more."""
     shard = dp if zero >= 1 else 1
     fp32_states = (8 if mixed else 4) * trainable / shard
     weights = value_bytes * params
-    return (Terms(params=weights, optimizer=fp32_states if mixed else 0.0, buffers=value_bytes * trainable),
-            Terms(params=weights, optimizer=fp32_states))
+    after = Terms(params=weights, optimizer=fp32_states)
+    flat_copy = Terms(params=weights, buffers=value_bytes * trainable)
+    if returned:
+        return peak(flat_copy, after), after
+    return flat_copy + Terms(optimizer=fp32_states if mixed else 0.0), after

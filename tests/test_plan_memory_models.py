@@ -104,6 +104,12 @@ def test_deepspeed_engine_build_by_hand():
     assert engine_build(108_944_640, 45_153_792, 2, 2, 2, True)[0].device / 2**20 == pytest.approx(466.2, abs=0.1)
     # fp32: the flat copy is the peak, no gradient partition up front: 4 + 4 B (832 MiB; measured 887)
     assert engine_build(108_943_872, 108_943_872, 4, 2, 2, mixed=False)[0].device == 8 * 108_943_872
+    # freed tensors returned (a 128 KiB mmap threshold): the cast weights' own tensors are gone before the fp32
+    # partitions are made, so the build peaks at the larger of the flat copy beside them (2 + 2 B) and what the
+    # engine keeps (2 + 8 / 2 B): 6 B a parameter in bf16; in fp32 the flat copy (4 + 4 B) against 4 + 4 / 2
+    during, after = engine_build(108_943_872, 108_943_872, 2, 2, 2, mixed=True, returned=True)
+    assert during.device == after.device == 6 * 108_943_872
+    assert engine_build(108_943_872, 108_943_872, 4, 2, 2, False, returned=True)[0].device == 8 * 108_943_872
 
 
 def test_colossalai_rm_init_holds_weights_and_master_only():
@@ -144,3 +150,49 @@ def test_colossalai_fp32_zero2_gradients_are_the_rank_s_part_and_a_bucket_by_han
     assert grads == 4 * 108_943_872 / 2 == 217_887_744
     bf16 = coati.predict(shape("colossalai", "sft", "zero=2"))["training"].grads
     assert bf16 == (2 + 4) * 108_943_872 / 2
+
+
+def _training(framework: str, *overrides: str) -> tuple:
+    """SFT training at glm-base fp32, 2 ranks: (glibc's own threshold, 128 KiB fixed) physics."""
+    cell = ["precision=fp32", *overrides]
+    kept = physics(spec_from_config(compose([f"framework={framework}", "stage=sft", *BASE, *cell])), "sft")
+    returned = physics(spec_from_config(compose([f"framework={framework}", "stage=sft", *BASE, *cell,
+                                                 "memory_mmap_threshold=131072"])), "sft")
+    return kept["training"], returned["training"]
+
+
+T = 108_943_872  # glm-base's trained parameters in SFT (the LM, its head tied)
+
+
+@pytest.mark.parametrize("framework, zero, made", [
+    # DeepSpeed ZeRO-2: the fp32 gradient partition (4 B x T / 2 ranks) and the reduce bucket (5e8 values hold
+    # all T, 4 B each), both allocated at the backward's start and released after the step
+    ("dschat", 2, 4 * T / 2 + 4 * T),
+    ("trlx", 2, 4 * T / 2 + 4 * T),
+    # ZeRO-3: the fp32 gradients the step flattens (4 B x T / 2); the half partition (here fp32) stays
+    ("dschat", 3, 4 * T / 2),
+    # LowLevelZero: the working gradients' partition (4 B x T / 2) and its 12 Mi-value bucket
+    ("colossalai", 2, 4 * T / 2 + 4 * 12 * 2**20),
+])
+def test_returned_heap_holds_the_activations_or_the_gradients_not_both(framework, zero, made):
+    kept, returned = _training(framework, f"zero={zero}")
+    # 128 + 128 tokens x 2 sequences: the saved activations and logits outweigh the gradients the step makes,
+    # so with the freed pages returned the step peaks at the backward's start and the gradients add nothing
+    work = returned.activations + returned.logits
+    assert work > made
+    assert kept.device - returned.device == pytest.approx(made)
+    assert (returned.activations, returned.logits) == (kept.activations, kept.logits)
+    # one 8 + 8-token sequence: the gradients outweigh the activations, and the step peaks at the backward's end
+    kept, returned = _training(framework, f"zero={zero}", "batch=1", "prompt_len=8", "answer_len=8")
+    work = kept.activations + kept.logits
+    assert work < made
+    assert kept.device - returned.device == pytest.approx(work)
+
+
+def test_which_thresholds_return_freed_tensors():
+    spec = spec_from_config(compose(["framework=dschat", "stage=sft", *BASE]))
+    assert not RunShape.from_spec(spec, "sft").freed_returned  # glibc's own threshold keeps the freed heap
+    for threshold, returned in ((0, True), (131_072, True), (131_073, False), (4_194_304, False)):
+        spec = spec_from_config(compose(["framework=dschat", "stage=sft", *BASE, f"memory_mmap_threshold={threshold}"]))
+        assert RunShape.from_spec(spec, "sft").freed_returned is returned
+        assert not RunShape.from_spec(spec, "sft", "cuda").freed_returned  # the host's allocator only

@@ -29,6 +29,7 @@ from bench.plan.run_shape import (
     generation_cache,
     hf_loss_logits,
     role_state,
+    step_transient,
     without_moments,
 )
 
@@ -82,7 +83,8 @@ def _linear_inputs(shape: RunShape) -> float:
 
 def _gradients(trainable: float, shape: RunShape) -> Terms:
     """The working gradients (whole until reduced; partitioned at ZeRO-2) and, under mixed precision, the fp32
-    copy the step makes of this rank's part. At fp32 the step hands the master its part as it is (LowLevelZero's
+    copy the step makes of this rank's part: all made within a step and freed by its zero_grad
+    (run_shape.step_transient). At fp32 the step hands the master its part as it is (LowLevelZero's
     `grad.to(master dtype)` copies nothing), and without ZeRO DDP keeps whole fp32 gradients."""
     dp, zero, vb = shape.data_parallel, shape.zero, shape.value_bytes
     working = vb * trainable / (dp if zero >= 2 else 1)
@@ -118,7 +120,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True,
                                     linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        phases = {"init": init, "training": state + grads + work}
+        phases = {"init": init, "training": state + step_transient(shape, work, grads)}
         if shape.stage == "rm":
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
         return phases
@@ -136,10 +138,10 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     # the critic's pass with the actor's gradients still alive (both step after it)
     inputs = _linear_inputs(shape)
     norms = not shape.lora  # coati's LoRA freezes every norm
-    update = actor_grads + critic_grads + forward_backward(shape, shape.batch, seq, linear_inputs=inputs,
-                                                           trained_norms=norms)
-    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4, linear_inputs=inputs,
-                                                trained_norms=norms)
+    update = actor_grads + step_transient(shape, forward_backward(shape, shape.batch, seq, linear_inputs=inputs,
+                                                                  trained_norms=norms), critic_grads)
+    actor_pass = step_transient(shape, forward_backward(shape, shape.batch, seq, logits_copies=4,
+                                                        linear_inputs=inputs, trained_norms=norms), actor_grads)
     heavier = update if update.device >= actor_pass.device else actor_pass
     # grad_accum > 1: coati's counter steps after the last rollout's update, so the earlier ones' gradients stay
     # in the ZeRO grad store (the rank's partition at ZeRO-2, whole below) through the next rollouts

@@ -32,6 +32,7 @@ from bench.plan.run_shape import (
     generation_cache,
     hf_loss_logits,
     role_state,
+    step_transient,
 )
 
 
@@ -76,15 +77,17 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     critic_ckpt = shape.options.get("critic_gradient_checkpointing")
     critic_shape = shape if critic_ckpt is None else replace(shape, grad_ckpt=critic_ckpt)
 
-    def trained(role: str, lora: int, zero: int = zero) -> tuple[Terms, Terms, Terms, Terms]:
-        """(state, gradients at the end of a backward, its engine's peak while built, what it holds after)."""
+    def trained(role: str, lora: int, zero: int = zero) -> tuple[Terms, tuple[Terms, Terms], Terms, Terms]:
+        """(state, gradients at the end of a backward (kept from step to step, made in each:
+        gradient_terms), its engine's peak while built, what it holds after)."""
         params, trainable = role_params(shape, role, lora)
         state = role_state(params, trainable, vb, zero, dp, master=True)
         eager = Terms(grads=eager_gradient_bytes(trainable, shape.precision, zero))
         buffers = resident_buffers(trainable, vb, zero, shape.device, shape.reduce_bucket)
         grads = gradient_terms(trainable, vb, zero, dp, shape.precision, shape.reduce_bucket)
         if zero in (1, 2):  # built whole in fp32, then wrapped (measured around deepspeed.initialize)
-            during, after = engine_build(params, trainable, vb, zero, dp, shape.mixed)
+            during, after = engine_build(params, trainable, vb, zero, dp, shape.mixed,
+                                         shape.freed_returned)
             return state, grads, peak(build_transient(shape, params), during), after
         # ZeRO-0: the BF16_Optimizer makes every state and its fp32 gradients at once; ZeRO-3 builds the
         # partitions inside zero.Init, and its bucket's pages become resident at the first backward on the
@@ -96,14 +99,15 @@ def predict(shape: RunShape) -> dict[str, Terms]:
 
     if shape.stage in ("sft", "rm"):
         role = "actor" if shape.stage == "sft" else "reward"
-        state, grads, init, _ = trained(role, shape.lora)
+        state, (kept_grads, made_grads), init, _ = trained(role, shape.lora)
         if shape.stage == "sft":
             work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True)
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True)
         kept = kept_gathered(shape, role)
-        phases = {"init": init, "training": state + Terms(grads=eager_gradient_bytes(
-            role_params(shape, role, shape.lora)[1], shape.precision, zero)) + grads + work + kept}
+        eager = Terms(grads=eager_gradient_bytes(role_params(shape, role, shape.lora)[1], shape.precision, zero))
+        phases = {"init": init,
+                  "training": state + eager + kept_grads + kept + step_transient(shape, work, made_grads)}
         if shape.stage == "rm":  # scoring follows the traced step's forward: it keeps the same gathered
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq) + kept
         return phases
@@ -135,9 +139,10 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     critic_dropout = shape.options.get("critic_dropout")
     critic_dropout = True if critic_dropout is None else critic_dropout > 0
     # the update: actor loss and backward (log-softmax over its logits in the model's dtype), then the critic's
-    actor_pass = actor_grads + forward_backward(shape, shape.batch, seq, logits_copies=4,
-                                                dropout=bool(shape.options.get("actor_dropout")))
-    critic_pass = critic_grads + forward_backward(critic_shape, shape.batch, seq, dropout=critic_dropout)
+    actor_pass = actor_grads[0] + step_transient(shape, forward_backward(
+        shape, shape.batch, seq, logits_copies=4, dropout=bool(shape.options.get("actor_dropout"))), actor_grads[1])
+    critic_pass = critic_grads[0] + step_transient(shape, forward_backward(
+        critic_shape, shape.batch, seq, dropout=critic_dropout), critic_grads[1])
     heavier = actor_pass if actor_pass.device >= critic_pass.device else critic_pass
     # grad_accum > 1: each rollout's update runs before the next rollout, so the accumulated gradients of both
     # trained engines stay through the next generation and experience making

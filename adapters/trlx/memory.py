@@ -37,6 +37,7 @@ from bench.plan.run_shape import (
     hf_loss_logits,
     quantized_weight_bytes,
     role_state,
+    step_transient,
 )
 
 # ZeRO-0 is accelerate's DDP (fp32 weights, autocast), not DeepSpeed: its allocator residual is its own, so the
@@ -112,17 +113,19 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     return base + branch + value_head, trainable
 
 
-def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Terms]:
-    """(state, gradients) of the trained model: DDP with fp32 weights at ZeRO-0, else DeepSpeed."""
+def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Terms, Terms]:
+    """(state, gradients kept from step to step, gradients made in each step: run_shape.step_transient) of the
+    trained model: DDP with fp32 weights at ZeRO-0 (its reducer's buckets and autocast's copies kept, the fp32
+    gradients made), else DeepSpeed (deepspeed_memory.gradient_terms)."""
     vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
     if zero == 0:
         state = role_state(params, trainable, 4, 0, dp, master=False)
         autocast_copies = 2 * params if shape.mixed else 0.0
-        return state, Terms(grads=4 * trainable, buffers=4 * trainable + autocast_copies)
+        return state, Terms(buffers=4 * trainable + autocast_copies), Terms(grads=4 * trainable)
     bucket = shape.reduce_bucket
     state = role_state(params, trainable, vb, zero, dp, master=True) + resident_buffers(trainable, vb, zero,
                                                                                          shape.device, bucket)
-    return state, gradient_terms(trainable, vb, zero, dp, shape.precision, bucket)
+    return (state, *gradient_terms(trainable, vb, zero, dp, shape.precision, bucket))
 
 
 def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
@@ -155,25 +158,28 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     fp32_logits = 4 / vb  # one fp32 [B, T, V] tensor in units of the compute dtype
     role = shape.stage
     params, trainable = role_params(shape, role, shape.lora)
-    state, grads = _engine(shape, params, trainable)
+    state, kept_grads, made_grads = _engine(shape, params, trainable)
     # built whole in fp32 on every rank (ZeRO-3 too: no zero.Init, see the fidelity table), then wrapped
     if shape.zero == 0:  # DDP's construction broadcasts every parameter (frozen ones too) through copies
         init = Terms(params=state.params, buffers=4 * params)
     elif shape.zero < 3:  # measured around accelerator.prepare (bench.plan's engine_build)
         init = peak(build_transient(shape, params),
-                    engine_build(params, trainable, vb, shape.zero, shape.data_parallel, shape.mixed)[0])
+                    engine_build(params, trainable, vb, shape.zero, shape.data_parallel, shape.mixed,
+                                 shape.freed_returned)[0])
     else:  # ZeRO-3's bucket pages become resident at the first backward on the host
         at_init = state if shape.device == "cuda" else Terms(params=state.params, optimizer=state.optimizer)
         init = peak(at_init, build_transient(shape, params))
     if role == "sft":
         work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape),
                                 linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        return {"init": init, "training": state + grads + work + kept_gathered(shape)}
+        return {"init": init,
+                "training": state + kept_grads + kept_gathered(shape) + step_transient(shape, work, made_grads)}
     if role == "rm":
         frozen = 0 if shape.lora else shape.arch.layers - _unfrozen(shape, "rm_unfrozen_fraction", 0.3)
         work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True, frozen_layers=frozen,
                                 linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        return {"init": init, "training": state + grads + work + kept_gathered(shape),
+        return {"init": init,
+                "training": state + kept_grads + kept_gathered(shape) + step_transient(shape, work, made_grads),
                 "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
     rm_params = shape.arch.backbone_params + shape.arch.hidden
     reward_fn = frozen_role(shape, "reward", rm_params, vb)  # rank 0
@@ -203,5 +209,5 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
         "experience": resident + generation_cache(shape, copies=2) + hidden_states
         + forward_only(shape, shape.batch, seq, logits_copies=2 * logits_out + 1),
-        "training": resident + grads + work,
+        "training": resident + kept_grads + step_transient(shape, work, made_grads),
     }

@@ -19,8 +19,21 @@ from bench.plan.physics import (
     inference_activation_bytes,
     layer_saved_bytes,
     logits_bytes,
+    peak,
 )
 from bench.run.spec import RunSpec
+
+# glibc's own starting mmap threshold: fixed there (or lower), every tensor of a size the memory model counts is
+# mapped on its own and unmapped at its free, so freed tensors leave nothing resident; above it, a tensor class
+# below the threshold stays in the heap (docs/performance.md "A lower threshold")
+RETURNED_THRESHOLD = 128 * 2**10
+
+
+def returns_freed(mmap_threshold: int | None) -> bool:
+    """Whether a host run's freed tensors give their pages back: a fixed mmap threshold of at most
+    RETURNED_THRESHOLD. glibc's own threshold (None) rises to the size of the blocks freed, after which the
+    freed heap stays resident."""
+    return mmap_threshold is not None and mmap_threshold <= RETURNED_THRESHOLD
 
 
 @dataclass(frozen=True)
@@ -46,6 +59,9 @@ class RunShape:
     lora_targets: tuple[str, ...] | None = None  # block layers with LoRA (lora_targets); None: each framework's
     grad_accum: int = 1  # micro-batches (PPO: rollouts) per optimizer step
     device: str = "cpu"  # cpu | cuda: sdpa's attention keeps fp32 probabilities with dropout on the CPU only
+    # the host allocator hands freed tensors' pages back (glibc's mmap threshold fixed at RETURNED_THRESHOLD or
+    # below, memory_mmap_threshold): RSS follows the tensors alive at once (step_transient)
+    freed_returned: bool = False
 
     @classmethod
     def from_spec(cls, spec: RunSpec, stage: str, device: str = "cpu") -> RunShape:
@@ -59,7 +75,8 @@ class RunShape:
                    offload=spec.offload, options=dict(spec.framework_options), dropout=model.dropout,
                    device=device, quant=(("ref", spec.reference.quant), ("reward", spec.reward.quant)),
                    quant_library=spec.quant_library, reduce_bucket=spec.ds.reduce_bucket_size,
-                   lora_targets=spec.lora_target_set, grad_accum=spec.grad_accum)
+                   lora_targets=spec.lora_target_set, grad_accum=spec.grad_accum,
+                   freed_returned=device == "cpu" and returns_freed(spec.memory_mmap_threshold))
 
     @property
     def value_bytes(self) -> int:
@@ -144,6 +161,18 @@ def forward_backward(shape: RunShape, sequences: int, seq: int, logits_copies: f
     activations = kept + 3 * sbh * vb
     return Terms(activations=activations,
                  logits=logits_copies * logits_bytes(arch, sequences, seq, shape.tp, shape.value_bytes))
+
+
+def step_transient(shape: RunShape, work: Terms, made: Terms) -> Terms:
+    """A training step's transient on top of what stays: `work`, the tensors the forward saves for the backward
+    (forward_backward), and `made`, what the backward and the optimizer step allocate and free again within the
+    step (gradients and reduce buckets, per engine). The backward frees the saved tensors as it writes the
+    gradients, so with the freed pages returned (shape.freed_returned) the step peaks at the backward's start or
+    at its end, whichever holds more; with the freed heap kept resident, the gradients land in fresh pages beside
+    the activations' freed ones and the peak is their sum (measured on the host, docs/performance.md "What 128
+    KiB shows of the physics"). A GPU's allocated bytes keep the sum, not measured in this split (DeepSpeed's ZeRO-2
+    allocates its bucket whole at the backward's start, before it frees anything)."""
+    return peak(work, made) if shape.freed_returned else work + made
 
 
 def forward_only(shape: RunShape, sequences: int, seq: int, logits_copies: float = 0.0) -> Terms:
