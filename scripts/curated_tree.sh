@@ -59,17 +59,18 @@ host_fingerprint() {
      END {printf "%s (family %s model %s stepping %s) x %s, %s\n", n, f, m, s, cpus, isa}' /proc/cpuinfo
 }
 
-# native_bf16_guard: the curated cells are bf16, and a CPU with neither avx512_bf16 nor amx_bf16 sends torch's bf16
-# matrix products down a slow path (glm-base's SFT steps 15-19x fp32's on an AVX2-only AMD EPYC): hours become
-# days, and the times are an emulation's. Refused unless SLOW_BF16=ok. CPUINFO names the file the flags are read
-# from (default /proc/cpuinfo; tests hand it a made-up CPU).
+# native_bf16_guard: the curated cells are bf16, and a CPU without native bf16 matrix instructions sends torch's
+# bf16 matrix products down a slow path: hours become days, and the times are an emulation's. Refused unless
+# SLOW_BF16=ok. The instructions are bench.measure.native_half's (the runs' own check), read with the calling
+# checkout's code (scripts/..: a worktree of an older commit may predate the module). CPUINFO names the file the
+# flags are read from (default /proc/cpuinfo; tests hand it a made-up CPU).
 native_bf16_guard() {
-  local flags
-  flags=" $(grep -m1 '^flags' "${CPUINFO:-/proc/cpuinfo}" | cut -d: -f2) "
-  [[ $flags == *" avx512_bf16 "* || $flags == *" amx_bf16 "* || ${SLOW_BF16:-} == ok ]] && return
-  echo "$SCRIPT: this CPU has neither avx512_bf16 nor amx_bf16, so torch's bf16 matrix products take a slow path" \
-    "here (glm-base's SFT steps 15-19x fp32's on an AVX2-only AMD EPYC): the bf16 cells would take that many" \
-    "times the hours and time an emulation. Run on a host with them, or set SLOW_BF16=ok" >&2
+  [ "${SLOW_BF16:-}" = ok ] && return
+  local why
+  why=$(cd "$scripts/.." && "$python" -m bench.measure.native_half bf16 --cpuinfo "${CPUINFO:-/proc/cpuinfo}" 2>&1) \
+    && return
+  echo "$SCRIPT: $why: the bf16 cells would take that many times the hours and time an emulation. Run on a host" \
+    "with them, or set SLOW_BF16=ok" >&2
   exit 2
 }
 

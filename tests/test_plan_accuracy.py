@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.run.worker import emulated_half
+from bench.measure.native_half import emulated_half
 
 TOLERANCE = 0.15
 CELL = ["model=glm-base", "prompt_len=64", "answer_len=96", "batch=3", "launcher.nproc=2", "zero=2", "steps=2",

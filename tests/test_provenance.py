@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.measure.environment import LIBRARIES, MATRIX_FLAGS, environment, git_commit, git_state, host
-from bench.run.worker import emulated_half
+from bench.measure.native_half import emulated_half
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -126,3 +126,16 @@ def test_the_allocator_settings_a_rank_ran_under_are_recorded(monkeypatch):
     monkeypatch.setenv("MALLOCATOR", "not glibc's")
     assert environment("cpu", 1)["allocator"] == {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0",
                                                   "MALLOC_ARENA_MAX": "2", "MALLOC_MMAP_THRESHOLD_": "4194304"}
+
+
+@pytest.mark.parametrize("flags, native", [
+    ("fpu sse2 avx2 avx512f amx_bf16 amx_tile", True), ("avx2 avx512_bf16", True),
+    ("fpu sse2 avx2 avx512f avx512_bf16x amx_tile", False),  # a whole flag, not a prefix
+    ("fpu sse2 avx2", False)])
+def test_the_curated_scripts_host_check_reads_the_runs_own_instruction_list(tmp_path, capsys, flags, native):
+    from bench.measure.native_half import main
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+    assert main(["bf16", "--cpuinfo", str(cpuinfo)]) == (0 if native else 1)
+    assert ("bf16 on a CPU without avx512_bf16 or amx_bf16" in capsys.readouterr().err) is not native

@@ -86,9 +86,13 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def _flags() -> set[str]:
+CPUINFO = "/proc/cpuinfo"
+
+
+def cpu_flags(cpuinfo: str = CPUINFO) -> set[str]:
+    """The first CPU's flags in `cpuinfo` (empty where it cannot be read)."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 if line.startswith("flags"):
                     return set(line.split(":", 1)[1].split())
@@ -99,14 +103,14 @@ def _flags() -> set[str]:
 
 # Native 16-bit and int8 matrix instructions: without them torch's half-precision matrix products on the CPU
 # take a slow path (fp16: 75x fp32's time at glm-base's shapes on an AVX512 Xeon without avx512_fp16 or amx_fp16;
-# bf16: 15-19x fp32's step time on an AVX2-only EPYC; bench.run.worker.NATIVE_HALF), so two hosts of one model
+# bf16: 15-19x fp32's step time on an AVX2-only EPYC; bench.measure.native_half), so two hosts of one model
 # name but different flags do not time fp16 (or bf16, int8) alike
 MATRIX_FLAGS = ("avx512_bf16", "avx512_fp16", "amx_bf16", "amx_fp16", "amx_int8")
 
 
 def matrix_isa() -> list[str]:
     """The native low-precision matrix instructions this CPU reports, of MATRIX_FLAGS."""
-    flags = _flags()
+    flags = cpu_flags()
     return [flag for flag in MATRIX_FLAGS if flag in flags]
 
 
@@ -116,7 +120,7 @@ def host() -> dict[str, Any]:
     cpu, cores = _cpu_model(), os.cpu_count()
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     isa = matrix_isa()
-    return {"cpu": cpu, "cores": cores, "memory_bytes": memory, "virtual_machine": "hypervisor" in _flags(),
+    return {"cpu": cpu, "cores": cores, "memory_bytes": memory, "virtual_machine": "hypervisor" in cpu_flags(),
             "kernel": platform.release(), "matrix_isa": isa,
             "type": f"{cpu} x {cores}, {memory / 2**30:.0f} GiB, {'+'.join(isa) or 'no native 16-bit matrix ISA'}"}
 

@@ -24,8 +24,9 @@ import torch
 from adapters import registry
 from adapters.base import RankContext
 from bench.measure import jit_ops
-from bench.measure.environment import environment, matrix_isa
+from bench.measure.environment import environment
 from bench.measure.memory import FLOOR_RULE
+from bench.measure.native_half import emulated_half
 from bench.measure.phases import PhaseTracker
 from bench.results.record import write_json
 from bench.run.data import SyntheticData
@@ -120,26 +121,6 @@ def classify(err: BaseException) -> str:
     if any(marker in str(err).lower() for marker in OOM_MARKERS):
         return "oom"
     return "error"
-
-
-# The native matrix instructions each half precision needs on the CPU (environment.MATRIX_FLAGS), and what
-# torch's fallback cost where they were missing: fp16 on an AVX512 Xeon without AVX512-FP16 or AMX, about 75x
-# fp32's time for glm-base's matrix products; bf16 on an AVX2-only AMD EPYC (no AVX-512 at all), 15-19x fp32's
-# step time in glm-base's SFT (DS-Chat, trlx and ColossalChat at ZeRO-2, batch 3, 64 + 96 tokens, 2 ranks)
-NATIVE_HALF = {"fp16": (("avx512_fp16", "amx_fp16"), "about 75x fp32's time for glm-base's matrix products"),
-               "bf16": (("avx512_bf16", "amx_bf16"), "15-19x fp32's step time in glm-base's SFT")}
-
-
-def emulated_half(precision: str, device_type: str) -> str | None:
-    """The note a half-precision run on a CPU without that precision's native matrix instructions carries: its
-    times are torch's slow path, not the framework's (memory and numerics are unaffected)."""
-    if precision not in NATIVE_HALF or device_type != "cpu":
-        return None
-    flags, cost = NATIVE_HALF[precision]
-    if set(flags) & set(matrix_isa()):
-        return None
-    return (f"{precision} on a CPU without {' or '.join(flags)}: torch's {precision} matrix products take a slow "
-            f"path here ({cost} on such hosts), so this run's times are not the framework's")
 
 
 def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
