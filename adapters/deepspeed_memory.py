@@ -29,8 +29,10 @@ def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, preci
     partition of the half gradients (stage3's grad_partitions_flat_buffer, zeroed at build). `made` is allocated
     within each step and freed after it (run_shape.step_transient): the half gradients on the parameters
     (ZeRO-0/1, until the step), ZeRO-2's reduce bucket (`bucket_elements`: ds.reduce_bucket_size, None for
-    DeepSpeed's default) and fp32 gradient partition (setup_buckets at the backward's start,
-    _release_ipg_buffers at its end), and the fp32 gradients the step flattens at ZeRO-3."""
+    DeepSpeed's default; setup_buckets at the backward's start, _release_ipg_buffers at its end) and its fp32
+    gradient partition (written at the backward's end, dropped after the step), and the fp32 gradients the step
+    flattens at ZeRO-3. In fp32, ZeRO-2's backward end was measured at about 2 bytes a parameter more than this
+    (docs/performance.md, "The physics now follows the setting"), not yet attributed."""
     bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
     # ZeRO-2 copies each half gradient into the bucket as its hook fires and drops it; ZeRO-3 keeps the
     # rank's partition of them; ZeRO-0/1 keep them whole until the step
