@@ -30,7 +30,14 @@
 #   python -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
 #     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=131072 --dry-run
 #
-# `bash scripts/cpu_rung.sh MODEL --dry-run` prints every cell, each checked by `bench.run --dry-run`; nothing runs.
+# `bash scripts/cpu_rung.sh MODEL fp32` runs the same design in fp32 (precision=fp32: native on every x86-64 CPU,
+# so a host without AVX512-BF16 or AMX-BF16, where the bf16 cells would take 15-19x the time, can measure a rung).
+# Its rungs are apart: llama-base-fp32 and glm-base-rung-fp32 in pending/ and examples/, never pooled with bf16's.
+# Once its llama-base rung is measured the accuracy printed is that rung's, fitted alone, every configuration
+# left out; once both fp32 rungs are, the pooled fit's.
+#
+# `bash scripts/cpu_rung.sh MODEL [fp32] --dry-run` prints every cell, each checked by `bench.run --dry-run`;
+# nothing runs.
 set -euo pipefail
 scripts=$(cd "$(dirname "$0")" && pwd)
 cd "${SWEEP_TREE:-$scripts/..}"
@@ -42,15 +49,21 @@ SCRIPT=cpu_rung.sh
 source "$scripts/curated_tree.sh"
 dry=0
 model=""
+precision=""
 for arg in "$@"; do
   case $arg in
     --dry-run) dry=1 ;;
     llama-base|glm-base) [ -z "$model" ] || { echo "cpu_rung.sh: one model, not $model and $arg" >&2; exit 2; }
                          model=$arg ;;
-    *) echo "cpu_rung.sh: unknown argument $arg; allowed: llama-base or glm-base (the rung's model), --dry-run" \
-         "(settings are environment variables: COMMIT, PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
+    bf16|fp32) [ -z "$precision" ] || { echo "cpu_rung.sh: one precision, not $precision and $arg" >&2; exit 2; }
+               precision=$arg ;;
+    *) echo "cpu_rung.sh: unknown argument $arg; allowed: llama-base or glm-base (the rung's model), bf16" \
+         "(the default) or fp32 (the rung's precision), --dry-run (settings are environment variables: COMMIT," \
+         "PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
   esac
 done
+precision=${precision:-bf16}
+suffix=$([ "$precision" = bf16 ] || echo "-$precision")
 [ -n "$model" ] || { echo "cpu_rung.sh: name the rung's model: llama-base or glm-base" >&2; exit 2; }
 full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
   echo "cpu_rung.sh: COMMIT=${COMMIT:-HEAD} is not a commit of this repository" >&2; exit 2; }
@@ -58,8 +71,8 @@ commit=${full:0:12}
 # glm-base's own names are the sweep's (results/pending/glm-base-<commit>, results/examples/glm-base): its rung
 # keeps apart from them
 case $model in
-  llama-base) rung=llama-base ;;
-  glm-base) rung=glm-base-rung ;;
+  llama-base) rung=llama-base$suffix ;;
+  glm-base) rung=glm-base-rung$suffix ;;
 esac
 name=$rung-$commit
 dir=results/sweeps/$name
@@ -71,7 +84,7 @@ cells=(
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=2"
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
-common=(model=$model launcher.nproc=2 precision=bf16 prompt_len=128 answer_len=128 steps=4 warmup_steps=1
+common=(model=$model launcher.nproc=2 precision=$precision prompt_len=128 answer_len=128 steps=4 warmup_steps=1
         stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=3600 sweep_name="$name")
 if [ "$dry" = 1 ]; then
   for cell in "${cells[@]}"; do
@@ -86,7 +99,7 @@ curated_worktree_is_clean
 curated=$CURATED_ROOT  # the calling checkout's results/: pending/ and examples/ live there
 pending=$curated/pending/$name
 count_records() { { find "$dir" -name record.json 2>/dev/null || true; } | wc -l; }
-host_guard "$curated/pending/host-$name.log" "rung: $model" count_records
+host_guard "$curated/pending/host-$name.log" "rung: $model${suffix:+ $precision}" count_records "$precision"
 keep_records() { mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$pending/" \;); }
 trap 'keep_records; log_session' EXIT
 mkdir -p "$dir"
@@ -106,12 +119,19 @@ rm -rf "$pending"
 trap - EXIT && log_session
 mv "$host_log" "$example/hosts.log"
 (cd "$curated/.." && "$python" -m bench.report "$example" --out "$example/report")
-# the accuracy with the calling checkout's code (the current physics), not the measured commit's, once both rungs
-# are measured (bench.plan.calibrate refuses rungs of two allocator settings or floor rules)
+# the accuracy with the calling checkout's code (the current physics), not the measured commit's: of the two rungs
+# pooled once both are measured (bench.plan.calibrate refuses rungs of two allocator settings or floor rules), else
+# of the llama-base rung fitted alone
 cd "$curated/.."
+rungs=()
 for other in llama-base glm-base-rung; do
-  [ -d "results/examples/$other" ] || { echo "cpu_rung.sh: results/examples/$other is not measured yet; the" \
-    "accuracy needs both rungs"; exit 0; }
+  if [ -d "results/examples/$other$suffix" ]; then rungs+=("results/examples/$other$suffix"); fi
 done
-"$python" -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
-  --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=131072 --dry-run
+case ${#rungs[@]} in
+  2) models='[glm-base,llama-base]' ;;
+  1) [ "$model" = llama-base ] || { echo "cpu_rung.sh: results/examples/llama-base$suffix is not measured yet;" \
+       "the accuracy needs it"; exit 0; }
+     models=llama-base ;;
+esac
+"$python" -m bench.plan.calibrate "${rungs[@]}" --select "model.name=$models" --select seed=1 \
+  --select memory_mmap_threshold=131072 --select precision="$precision" --dry-run

@@ -74,13 +74,14 @@ native_bf16_guard() {
   exit 2
 }
 
-# host_guard LOG LABEL COUNT: refuses a CPU without native bf16 (native_bf16_guard) and this host unless it is the
-# one LOG's first session ran on (or NEW_HOST=ok), then logs this session when the script ends, a stopped one's
-# too: the time, LABEL (what it ran), the runs it added (COUNT is a command that prints how many records there
-# are), the host and the kernel.
+# host_guard LOG LABEL COUNT [PRECISION]: refuses a CPU without native bf16 (native_bf16_guard) when the cells are
+# bf16 (PRECISION, default bf16; fp32 is native on every CPU) and this host unless it is the one LOG's first
+# session ran on (or NEW_HOST=ok), then logs this session when the script ends, a stopped one's too: the time,
+# LABEL (what it ran), the runs it added (COUNT is a command that prints how many records there are), the host and
+# the kernel.
 host_guard() {
   host_log=$1 host_label=$2 host_count=$3
-  native_bf16_guard
+  [ "${4:-bf16}" = fp32 ] || native_bf16_guard
   here_host=$(host_fingerprint)
   local first
   first=$([ -f "$host_log" ] && grep -m1 -oP '(?<=\thost: )[^\t]*' "$host_log" || true)

@@ -106,11 +106,14 @@ def test_a_sweep_on_the_host_it_began_on_goes_on(clone: Path) -> None:
     assert first == second
 
 
-@pytest.mark.parametrize("model, rung", [("llama-base", "llama-base"), ("glm-base", "glm-base-rung")])
-def test_a_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path, model: str, rung: str) -> None:
+@pytest.mark.parametrize("model, rung, precision", [("llama-base", "llama-base", ()),
+                                                    ("glm-base", "glm-base-rung", ()),
+                                                    ("llama-base", "llama-base-fp32", ("fp32",))])
+def test_a_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path, model: str, rung: str,
+                                                                     precision: tuple[str, ...]) -> None:
     """Its own log (host-<rung>-<commit>.log; glm-base's rung keeps apart from the glm-base sweep's
-    host-<commit>.log), checked in the worktree of the named commit: a made-up first host is refused there,
-    before the rung's first run, and nothing is logged."""
+    host-<commit>.log, an fp32 rung from the bf16 one), checked in the worktree of the named commit: a made-up
+    first host is refused there, before the rung's first run, and nothing is logged."""
     commit = _git(clone, "rev-parse", "HEAD")
     log = clone / "results" / "pending" / f"host-{rung}-{commit[:12]}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -118,7 +121,7 @@ def test_a_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path,
                    "kernel: 1\n")
     with open(clone / "README.md", "a") as f:
         f.write("an uncommitted line: the checkout may change while a named commit's rung runs\n")
-    refused = _sweep(clone, "cpu_rung", model, COMMIT=commit)
+    refused = _sweep(clone, "cpu_rung", model, *precision, COMMIT=commit)
     assert refused.returncode == 2 and "is not the one the sweep" in refused.stderr, refused.stderr
     assert "Imaginary CPU x 64" in refused.stderr and len(_host_lines(clone, commit, f"{rung}-")) == 1
     tree = clone / "results" / "worktrees" / commit[:12]
@@ -128,8 +131,11 @@ def test_a_rung_runs_from_a_clean_worktree_and_refuses_another_host(clone: Path,
 
 @pytest.mark.parametrize("args, message", [
     ((), "cpu_rung.sh: name the rung's model: llama-base or glm-base"),
-    (("glm-large",), "cpu_rung.sh: unknown argument glm-large; allowed: llama-base or glm-base"),
-    (("glm-base", "llama-base"), "cpu_rung.sh: one model, not glm-base and llama-base")])
+    (("glm-large",), "cpu_rung.sh: unknown argument glm-large; allowed: llama-base or glm-base (the rung's model), "
+                     "bf16 (the default) or fp32"),
+    (("glm-base", "fp16"), "cpu_rung.sh: unknown argument fp16; allowed: llama-base or glm-base"),
+    (("glm-base", "llama-base"), "cpu_rung.sh: one model, not glm-base and llama-base"),
+    (("llama-base", "bf16", "fp32"), "cpu_rung.sh: one precision, not bf16 and fp32")])
 def test_a_rung_takes_one_of_the_two_rung_models(clone: Path, args: tuple[str, ...], message: str) -> None:
     done = _sweep(clone, "cpu_rung", *args)
     assert done.returncode == 2 and done.stderr.startswith(message), done.stderr
@@ -157,3 +163,20 @@ def test_a_cpu_without_native_bf16_is_refused_unless_told(clone: Path, script: s
         assert passed.returncode == 2 and "is not the one the sweep" in passed.stderr, passed.stderr
         assert "without avx512_bf16" not in passed.stderr
     assert len(host_log.read_text().splitlines()) == 1  # no session ran
+
+
+def test_an_fp32_rung_runs_on_a_cpu_without_native_bf16(clone: Path) -> None:
+    """fp32 is native on every CPU: on a made-up AVX2-only CPU the fp32 rung passes the bf16 check (and stops at
+    the host check, a made-up first host in its log) where the bf16 rung of the same model is refused by it."""
+    commit = _git(clone, "rev-parse", "HEAD")
+    for rung in ("llama-base", "llama-base-fp32"):
+        log = clone / "results" / "pending" / f"host-{rung}-{commit[:12]}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("2026-01-01T00:00Z\trung: llama-base (1 runs added)\thost: Imaginary CPU x 64, amx_bf16\t"
+                       "kernel: 1\n")
+    avx2 = _cpuinfo(clone, "fpu sse2 avx2 fma")
+    bf16 = _sweep(clone, "cpu_rung", "llama-base", COMMIT=commit, CPUINFO=avx2)
+    assert bf16.returncode == 2 and "bf16 on a CPU without avx512_bf16 or amx_bf16" in bf16.stderr, bf16.stderr
+    fp32 = _sweep(clone, "cpu_rung", "llama-base", "fp32", COMMIT=commit, CPUINFO=avx2)
+    assert fp32.returncode == 2 and "is not the one the sweep" in fp32.stderr, fp32.stderr
+    assert "without avx512_bf16" not in fp32.stderr
