@@ -4,8 +4,9 @@ train through it), for the planner's memory model. Imports no framework.
 Read from DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py) and measured with
 scripts/engine_buffers.py: the backward fills each parameter's half-precision `.grad` and copies it into the
 reduce bucket (`reduce_bucket_size`, 5e8 elements by default; the host counts the pages one step writes, about
-one value per trained parameter; ZeRO-2 then drops the `.grad`), and from there into the rank's fp32 gradient
-partition. At ZeRO-0 with bf16 the BF16_Optimizer keeps a whole fp32 gradient per parameter.
+one value per trained parameter; ZeRO-2 then drops the `.grad`), all-reduces a flattened copy of the bucket,
+and keeps the rank's part in a partition of the model's dtype, which the step flattens and casts to fp32
+(zero2_made_bytes). At ZeRO-0 with bf16 the BF16_Optimizer keeps a whole fp32 gradient per parameter.
 """
 
 from __future__ import annotations
@@ -24,24 +25,39 @@ PERSISTENCE_THRESHOLD = 100_000
 
 def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
                    bucket_elements: int | None = None) -> tuple[Terms, Terms]:
-    """(kept, made): gradient bytes of one trained model at the end of its backward on one rank, on top of the
+    """(kept, made): gradient bytes of one trained model in its backward and step on one rank, on top of the
     eager fp32 gradients (eager_gradient_bytes), split by lifetime. `kept` lives from step to step: ZeRO-3's
-    partition of the half gradients (stage3's grad_partitions_flat_buffer, zeroed at build). `made` is allocated
-    within each step and freed after it (run_shape.step_transient): the half gradients on the parameters
-    (ZeRO-0/1, until the step), ZeRO-2's reduce bucket (`bucket_elements`: ds.reduce_bucket_size, None for
-    DeepSpeed's default; setup_buckets at the backward's start, _release_ipg_buffers at its end) and its fp32
-    gradient partition (written at the backward's end, dropped after the step), and the fp32 gradients the step
-    flattens at ZeRO-3. In fp32, ZeRO-2's backward end was measured at about 2 bytes a parameter more than this
-    (docs/performance.md, "The physics now follows the setting"), not yet attributed."""
-    bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
-    # ZeRO-2 copies each half gradient into the bucket as its hook fires and drops it; ZeRO-3 keeps the
-    # rank's partition of them; ZeRO-0/1 keep them whole until the step
-    half = 0.0 if zero == 2 else value_bytes * trainable / (dp if zero >= 3 else 1)
+    partition of the half gradients (stage3's grad_partitions_flat_buffer, zeroed at build). `made` is the most
+    the backward's end and the step allocate and free within each step (run_shape.step_transient): the half
+    gradients on the parameters (ZeRO-0/1, until the step) and their fp32 partition, the fp32 gradients the step
+    flattens at ZeRO-3, and ZeRO-2's larger moment (zero2_made_bytes)."""
+    if zero == 2:
+        reduce, step = zero2_made_bytes(trainable, value_bytes, dp, bucket_elements)
+        return Terms(), Terms(buffers=reduce) if reduce >= step else Terms(grads=step)
+    # ZeRO-3 keeps the rank's partition of the half gradients; ZeRO-0/1 keep them whole until the step
+    half = value_bytes * trainable / (dp if zero >= 3 else 1)
     fp32 = 0.0 if eager_gradient_bytes(trainable, precision, zero) else 4 * trainable / (dp if zero >= 1 else 1)
-    bucket = value_bytes * min(trainable, bucket_elements) if zero == 2 else 0.0
     if zero >= 3:
         return Terms(grads=half), Terms(grads=fp32)
-    return Terms(), Terms(grads=half + fp32, buffers=bucket)
+    return Terms(), Terms(grads=half + fp32)
+
+
+def zero2_made_bytes(trainable: float, value_bytes: int, dp: int, bucket_elements: int | None = None
+                     ) -> tuple[float, float]:
+    """(at the reduction, at the step): what ZeRO-2 (stage_1_and_2.py, contiguous gradients; neither DS-Chat nor
+    trlx sets a gradient-accumulation dtype, so it is the model's and the partition is per parameter, not the
+    compact fp32 one) holds at its two moments.
+    - The reduction at the backward's end: the reduce bucket (`bucket_elements`: ds.reduce_bucket_size, None for
+      DeepSpeed's default; each gradient is copied into it as its hook fires and dropped) and the flattened copy
+      `allreduce_bucket` makes of it to all-reduce (use_multi_rank_bucket_allreduce, DeepSpeed's default; neither
+      framework sets it), so twice the bucket. Then the rank's part is copied into its partition
+      (grads_in_partition, the model's dtype) and both are freed.
+    - The step: that partition, the flattened copy of it `step` makes, and, under a half precision, that copy
+      cast to fp32 for the optimizer: (2 x value bytes + 4) / dp a trained parameter in bf16 or fp16, 8 / dp in
+      fp32 (the cast is the same tensor)."""
+    bucket = value_bytes * min(trainable, bucket_elements or REDUCE_BUCKET_ELEMENTS)
+    cast = 0 if value_bytes == 4 else 4
+    return 2 * bucket, (2 * value_bytes + cast) * trainable / dp
 
 
 def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, precision: str) -> float:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 
 from adapters.colossalai.memory import reduce_bucket_elements
-from adapters.deepspeed_memory import gradient_terms, resident_buffers
+from adapters.deepspeed_memory import gradient_terms, resident_buffers, zero2_made_bytes
 from adapters.dschat.ds_config import train_config
 from adapters.dschat.options import DSChatOptions
+from bench.plan.physics import Terms
 from bench.plan.run_shape import RunShape
 from bench.run.config import compose
 from bench.run.spec import SpecError, UnsupportedError, spec_from_config
@@ -52,9 +53,13 @@ def test_ds_chat_hands_only_the_set_knobs_to_zero_optimization() -> None:
 
 
 def test_the_reduce_bucket_in_the_memory_models() -> None:
-    # tiny: 842,496 trained parameters in bf16; ZeRO-2 fills a bucket of min(trainable, bucket) values
-    assert gradient_terms(842_496, 2, 2, 1, "bf16")[1].buffers == 2 * 842_496  # DeepSpeed's 5e8 holds them all
-    assert gradient_terms(842_496, 2, 2, 1, "bf16", 100_000)[1].buffers == 200_000
+    # tiny: 842,496 trained parameters in bf16; ZeRO-2 fills a bucket of min(trainable, bucket) values and
+    # all-reduces a flattened copy of it: 2 x 2 B x 842,496 with DeepSpeed's 5e8 (it holds them all), 2 x 2 B x
+    # 100,000 with 1e5; its step makes 2 + 2 + 4 B a parameter over the ranks, 8 x 842,496 / 8 on 8 ranks
+    assert zero2_made_bytes(842_496, 2, 8) == (4 * 842_496, 842_496)
+    assert zero2_made_bytes(842_496, 2, 8, 100_000) == (400_000, 842_496)
+    assert gradient_terms(842_496, 2, 2, 8, "bf16")[1] == Terms(buffers=4 * 842_496)  # the reduction peaks
+    assert gradient_terms(842_496, 2, 2, 8, "bf16", 100_000)[1] == Terms(grads=842_496)  # the step peaks
     # ZeRO-3 keeps its bucket; a GPU holds it whole
     assert resident_buffers(842_496, 2, 3, "cuda", 100_000).buffers == 200_000
     assert resident_buffers(842_496, 2, 3, "cuda").buffers == 2 * 500_000_000

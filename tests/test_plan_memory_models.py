@@ -7,8 +7,10 @@ from __future__ import annotations
 import pytest
 
 from adapters.colossalai import memory as coati
+from adapters.deepspeed_memory import gradient_terms, zero2_made_bytes
 from adapters.dschat import memory as dschat
 from adapters.trlx import memory as trlx
+from bench.plan.physics import Terms
 from bench.plan.predict import physics, record_entry
 from bench.plan.run_shape import RunShape
 from bench.run.config import compose
@@ -165,18 +167,18 @@ T = 108_943_872  # glm-base's trained parameters in SFT (the LM, its head tied)
 
 
 @pytest.mark.parametrize("framework, zero, made", [
-    # DeepSpeed ZeRO-2: the fp32 gradient partition (4 B x T / 2 ranks) and the reduce bucket (5e8 values hold
-    # all T, 4 B each), both allocated at the backward's start and released after the step
-    ("dschat", 2, 4 * T / 2 + 4 * T),
-    ("trlx", 2, 4 * T / 2 + 4 * T),
+    # DeepSpeed ZeRO-2 at fp32: the reduce bucket (5e8 values hold all T, 4 B each) and the flattened copy of it
+    # that is all-reduced, 8 B x T, outweigh the step's partition and its flattened copy (4 + 4 B x T / 2 ranks)
+    ("dschat", 2, 2 * 4 * T),
+    ("trlx", 2, 2 * 4 * T),
     # ZeRO-3: the fp32 gradients the step flattens (4 B x T / 2); the half partition (here fp32) stays
     ("dschat", 3, 4 * T / 2),
     # LowLevelZero: the working gradients' partition (4 B x T / 2) and its 12 Mi-value bucket
     ("colossalai", 2, 4 * T / 2 + 4 * 12 * 2**20),
 ])
 def test_returned_heap_holds_the_activations_or_the_gradients_not_both(framework, zero, made):
-    kept, returned = _training(framework, f"zero={zero}")
-    # 128 + 128 tokens x 2 sequences: the saved activations and logits outweigh the gradients the step makes,
+    kept, returned = _training(framework, f"zero={zero}", "batch=4")
+    # 128 + 128 tokens x 4 sequences: the saved activations and logits outweigh the gradients the step makes,
     # so with the freed pages returned the step peaks at the backward's start and the gradients add nothing
     work = returned.activations + returned.logits
     assert work > made
@@ -196,3 +198,20 @@ def test_which_thresholds_return_freed_tensors():
         spec = spec_from_config(compose(["framework=dschat", "stage=sft", *BASE, f"memory_mmap_threshold={threshold}"]))
         assert RunShape.from_spec(spec, "sft").freed_returned is returned
         assert not RunShape.from_spec(spec, "sft", "cuda").freed_returned  # the host's allocator only
+
+
+@pytest.mark.parametrize("value_bytes, dp, reduction, step", [
+    # 1,000 trained parameters, DeepSpeed's 5e8 bucket holding them all: the reduction holds the bucket and the
+    # flattened copy it all-reduces (2 x value bytes each); the step the rank's partition, its flattened copy and,
+    # in bf16, that copy cast to fp32 ((2 + 2 + 4) / dp bytes; fp32 (4 + 4) / dp, the cast being the same tensor)
+    (2, 2, 4_000, 4_000),
+    (4, 2, 8_000, 4_000),
+    (2, 1, 4_000, 8_000),
+    (4, 1, 8_000, 8_000),
+])
+def test_deepspeed_zero2_makes_the_larger_of_its_reduction_and_its_step(value_bytes, dp, reduction, step):
+    assert zero2_made_bytes(1_000, value_bytes, dp) == (reduction, step)
+    precision = "bf16" if value_bytes == 2 else "fp32"
+    kept, made = gradient_terms(1_000, value_bytes, 2, dp, precision)
+    assert kept == Terms()
+    assert made == (Terms(buffers=reduction) if reduction >= step else Terms(grads=step))
