@@ -64,8 +64,8 @@ def test_returned_heap_peaks_at_what_is_alive_at_once(run_bench, framework):
     gradients and buckets land while the activations they replace are returned: the measured training peak
     stands at or above the physics of what is alive at once (run_shape.step_transient, the allocator adding a
     little) and below the sum the physics keeps for a heap that stays resident. Measured on the AVX2 host in fp32
-    (docs/performance.md "What 128 KiB shows of the physics"): DS-Chat 1,996 MiB against 1,844 and 2,467,
-    ColossalChat 1,874 against 1,844 and 2,100."""
+    (docs/performance.md "What 128 KiB shows of the physics"): DS-Chat 1,996 MiB against 1,870 and 2,675 (the
+    physics with ZeRO-2's all-reduced copy of its bucket), ColossalChat 1,874 against 1,844 and 2,100."""
     from dataclasses import replace
 
     from bench.plan.predict import physics
