@@ -11,8 +11,8 @@ master beside fp32 weights). bf16 runs only where the CPU has native bf16 matrix
 bf16 path made the cell's step 15-19x fp32's (an AVX2-only AMD EPYC, 2 ranks), 324-464 s a cell, which would
 put CI past its 30 minutes; memory and the prediction are the same there. trlx's fp32 cell is not checked: the
 doubling fails it. Its SFT training offset, 397 MiB in bf16 (glm-base factor 0.98), becomes 782 MiB, while the
-fp32 residual over its physics (2,324 MiB) was 233 and 430 MiB in two runs (2,557 and 2,754 MiB measured):
-+21 % and +13 %; the physics alone is -9 % and -16 % (docs/planner.md, "Value width")."""
+fp32 residual over its physics (2,532 MiB) is 25 and 222 MiB in two runs (2,557 and 2,754 MiB measured): +30 %
+and +20 %; the physics alone is -1 % and -8 % (docs/planner.md, "Value width")."""
 
 from __future__ import annotations
 
