@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from bench.plan.model_state import zero2_step_bytes
 from bench.plan.physics import Terms, peak
 
 REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
@@ -53,11 +54,11 @@ def zero2_made_bytes(trainable: float, value_bytes: int, dp: int, bucket_element
       framework sets it), so twice the bucket. Then the rank's part is copied into its partition
       (grads_in_partition, the model's dtype) and both are freed.
     - The step: that partition, the flattened copy of it `step` makes, and, under a half precision, that copy
-      cast to fp32 for the optimizer: (2 x value bytes + 4) / dp a trained parameter in bf16 or fp16, 8 / dp in
-      fp32 (the cast is the same tensor)."""
+      cast to fp32 for the optimizer (model_state.zero2_step_bytes, which the GPU planner shares).
+    On the host only the bucket's written pages count (min of the trained values and the bucket); on a GPU the
+    caching allocator holds the whole bucket (bench.plan.cluster.zero2_reduce_bytes)."""
     bucket = value_bytes * min(trainable, bucket_elements or REDUCE_BUCKET_ELEMENTS)
-    cast = 0 if value_bytes == 4 else 4
-    return 2 * bucket, (2 * value_bytes + cast) * trainable / dp
+    return 2 * bucket, zero2_step_bytes(trainable, value_bytes, dp)
 
 
 def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, precision: str) -> float:

@@ -12,8 +12,19 @@ import yaml
 
 from bench.plan import claims_arithmetic as arithmetic
 from bench.plan import plan_file
-from bench.plan.cluster import GPUS, Cluster, Layout, Role, Workload, phase_terms, resident, training
-from bench.plan.physics import Arch
+from bench.plan.cluster import (
+    GPUS,
+    Cluster,
+    Layout,
+    Role,
+    Workload,
+    optimizer_step,
+    phase_terms,
+    resident,
+    training,
+    training_peak,
+)
+from bench.plan.physics import Arch, Terms
 from bench.plan.search import GIB, plan_with_variants, search
 
 GLM_10B = plan_file.arch_of("glm-10b")[1]
@@ -56,7 +67,33 @@ def test_training_terms_by_hand():
     # 48 layer inputs (2 s b h) + one layer rebuilt (s b h (34 + 5 a s / h) = sbh x (34 + 80))
     assert t.activations == pytest.approx(48 * 2 * sbh + sbh * (34 + 5 * 64 * 1024 / 4096))
     assert t.grads == pytest.approx(2 * PSI / 8) and t.logits == 0  # the critic has no vocabulary logits
-    assert t.buffers == 2 * 5e8  # ZeRO-2's reduce bucket, filled and freed within the backward
+    # ZeRO-2's reduce buckets, two under overlap_comm (DS-Chat's), each 5e8 bf16 values allocated whole, and
+    # the flattened copy of a full one all-reduced: 3 x 2 x 5e8 bytes, filled and freed within the backward
+    assert t.buffers == 3 * 2 * 5e8
+
+
+def test_zero2_step_outweighs_a_small_backward():
+    """DeepSpeed's ZeRO-2 step (stage_1_and_2.py) holds the gradient partition, its flattened copy and that copy
+    in fp32: 2 + 2 + 4 bytes a trained parameter over dp in bf16, 4 + 4 in fp32. A GLM-10B critic on 8 GPUs
+    at one 1,024-token micro-batch with recomputation: its backward holds 2 Psi / 8 of gradients, 3 x 1e9 of
+    buckets and 0.88 GB of activations (6.35e9), its step Psi (9.88e9): the step is the phase's peak."""
+    w = Workload(micro_batch=1, prompt_len=512, answer_len=512)
+    layout, critic = Layout(dp=8, zero=2, recompute=True), Role("critic", GLM_10B)
+    trained = PSI + 4096  # the value head: 4,096 weights, no bias
+    backward = training(critic, layout, w)
+    assert backward.device == pytest.approx(2 * trained / 8 + 3e9 + 880_803_840)
+    assert optimizer_step(critic, layout, w) == Terms(grads=8 * trained / 8)
+    assert training_peak(critic, layout, w) == Terms(grads=8 * trained / 8)
+    fp32 = Workload(precision="fp32", micro_batch=1, prompt_len=512, answer_len=512)
+    assert optimizer_step(critic, layout, fp32).grads == 8 * trained / 8  # the fp32 cast is the same tensor
+    # without overlap_comm one bucket and the flattened copy; a model under a bucket still gets it whole
+    assert training(critic, layout, Workload(micro_batch=1, overlap_comm=False)).buffers == 2 * 2 * 5e8
+    small = Arch(64, 2, 4, 100, 32)
+    tiny = training(Role("critic", small), Layout(dp=2, zero=2), w)
+    assert tiny.buffers == 2 * (2 * 5e8 + Role("critic", small).dense_trainable)
+    # the other stages' steps add nothing the backward does not exceed
+    assert optimizer_step(critic, Layout(dp=8, zero=3), w) == Terms()
+    assert optimizer_step(critic, Layout(dp=8, zero=1), w) == Terms()
 
 
 def test_colocated_phases_add_residents_and_take_the_largest_working_set():

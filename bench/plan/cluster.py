@@ -6,8 +6,10 @@ optimizer offload, activation recomputation). Roles placed on the same GPUs add 
 holds every colocated role's resident bytes plus what the running phase needs on top, as DS-Chat runs it:
 the actor's KV (or GLM `mems`) cache while generating; in experience making the actor's and the reference's
 logits alive together with their caches; in training the actor's and the critic's passes one after the
-other. Formulas: model states as the ZeRO paper (bench.plan.model_state) plus DeepSpeed's buffers (a reduce
-bucket of up to 5e8 values at ZeRO >= 2; at ZeRO-3 the gathered layer and the one prefetched), activations as
+other. Formulas: model states as the ZeRO paper (bench.plan.model_state) plus DeepSpeed's buffers (ZeRO-2's
+reduce buckets of 5e8 values, two under overlap_comm, and the flattened copy it all-reduces; at ZeRO-3 a reduce
+bucket, the gathered layer and the one prefetched; ZeRO-2's step, where its flattened and fp32 copies of the
+gradient partition can outweigh the backward), activations as
 Korthikanti et al. (bench.plan.physics; GLM's own attention materialises its scores, so the 5*a*s/h term is
 kept unless the workload says flash attention), logits as b*s*v/t with an fp32 log-softmax and its gradient.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from bench.plan.model_state import zero2_step_bytes
 from bench.plan.physics import (
     Arch,
     Terms,
@@ -24,6 +27,7 @@ from bench.plan.physics import (
     dtype_bytes,
     layer_activation_bytes,
     logits_bytes,
+    peak,
 )
 
 GB = 1e9  # vendors' gigabyte, for bandwidths and host memory
@@ -143,6 +147,8 @@ class Workload:
     parallel_output: bool = True  # ColossalChat's parallel_output=False: every tp rank keeps whole-vocabulary logits
     keep_experience_caches: bool = True  # DS-Chat keeps each experience forward's whole output (its KV cache too)
     # until the experience is assembled; ColossalChat keeps only the logits (false)
+    overlap_comm: bool = True  # DeepSpeed's overlap_comm, which DS-Chat's train config sets (DeepSpeed's own
+    # default at ZeRO-1/2 is off): ZeRO-2 double-buffers its reduce bucket
     hydra_layers: int = 0  # trlx's hydra layout (num_layers_unfrozen = k > 0): only the actor's top k blocks (with
     # the final norm, learned positions and an untied head) train, the reference is a branch of k frozen blocks and
     # a head on the actor's trunk, the critic a value head on the actor's hidden states; 0 = separate models
@@ -162,7 +168,7 @@ class Workload:
         if self.lora_trains not in LORA_TRAINS:
             raise ValueError(f"workload.lora_trains={self.lora_trains!r}; allowed: {', '.join(LORA_TRAINS)}")
         for name in ("flash_attention", "release_inference_cache", "offload_reference", "offload_inference_models",
-                     "parallel_output", "keep_experience_caches"):
+                     "parallel_output", "keep_experience_caches", "overlap_comm"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"workload.{name}={getattr(self, name)!r} must be true or false")
         if isinstance(self.hydra_layers, bool) or not isinstance(self.hydra_layers, int) or self.hydra_layers < 0:
@@ -353,10 +359,35 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
         activations = b * s * 2 * arch.hidden * 4 / t
     dense = role.dense_trainable
     grads = dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
-    bucket = vb * min(DEEPSPEED_BUCKET, dense / shard) if layout.zero == 2 and dense else 0.0
+    bucket = zero2_reduce_bytes(dense / shard, vb, workload.overlap_comm) if layout.zero == 2 and dense else 0.0
     logits = logits_bytes(arch, b, s, _logit_split(layout, workload), 1) * (vb + 8) if role.name == "actor" else 0.0
     return Terms(grads=grads, activations=activations, logits=logits,
                  buffers=bucket + _gathered(role, layout, workload))
+
+
+def zero2_reduce_bytes(trained: float, value_bytes: int, overlap_comm: bool) -> float:
+    """DeepSpeed ZeRO-2's reduction buffers in the backward (stage_1_and_2.py, contiguous gradients, the model's
+    dtype): the reduce bucket, allocated whole at reduce_bucket_size values whatever the model's size (an empty
+    tensor on the device, all of which the caching allocator holds; the host counts only its written pages), a
+    second one under overlap_comm (double buffering), and the flattened copy `allreduce_bucket` makes of a full
+    bucket to all-reduce (use_multi_rank_bucket_allreduce, DeepSpeed's default), at most the trained values."""
+    buckets = 2 if overlap_comm else 1
+    return value_bytes * (buckets * DEEPSPEED_BUCKET + min(DEEPSPEED_BUCKET, trained))
+
+
+def optimizer_step(role: Role, layout: Layout, workload: Workload) -> Terms:
+    """On top of `resident`, at the optimizer step, once the backward has freed its activations: ZeRO-2's
+    gradient partition with the flattened and fp32 copies the step makes of it (model_state.zero2_step_bytes);
+    nothing the backward does not exceed at the other stages."""
+    if layout.zero != 2 or not role.dense_trainable:
+        return Terms()
+    return Terms(grads=zero2_step_bytes(role.dense_trainable / _shard(layout), workload.value_bytes, layout.dp))
+
+
+def training_peak(role: Role, layout: Layout, workload: Workload) -> Terms:
+    """The training phase's peak on top of `resident`: the backward's end or the optimizer step, whichever holds
+    more (a large model's ZeRO-2 step on a small micro-batch)."""
+    return peak(training(role, layout, workload), optimizer_step(role, layout, workload))
 
 
 def inference(role: Role, layout: Layout, workload: Workload) -> Terms:
@@ -430,7 +461,7 @@ def generation(role: Role, layout: Layout, workload: Workload) -> Terms:
     return Terms(cache=cache, activations=prefill, logits=sequences * arch.vocab / t * 4, buffers=gathered)
 
 
-TRANSIENT = {"generation": generation, "inference": inference, "training": training}
+TRANSIENT = {"generation": generation, "inference": inference, "training": training_peak}
 
 
 def role_phase(role: Role, layout: Layout, workload: Workload, phase: str) -> Terms:

@@ -67,6 +67,16 @@ def zero_paper_bytes(params: int, stage: int, data_parallel: int, k: int = ADAM_
                            optimizer=k * params * share(stage >= 1))
 
 
+def zero2_step_bytes(trained: float, value_bytes: int, data_parallel: int) -> float:
+    """What DeepSpeed's ZeRO-2 step holds of one model's gradients per rank (stage_1_and_2.py `step`, no
+    gradient-accumulation dtype set, so the partition is the model's dtype and per parameter): the rank's
+    partition, the flattened copy `step` makes of it and, under a half precision, that copy cast to fp32 for
+    the optimizer: (2 x value bytes + 4) per trained parameter over the data-parallel ranks, 8 in fp32 (the cast
+    is the same tensor). Measured on the CPU with the engine's counters (adapters/deepspeed_memory.py)."""
+    cast = 0 if value_bytes == 4 else 4
+    return (2 * value_bytes + cast) * trained / data_parallel
+
+
 def deepspeed_zero2_estimate(params: int, gpus_per_node: int = 1, nodes: int = 1, cpu_offload: bool = True,
                              buffer_factor: float = 1.5, before_pr_5099: bool = False) -> DeviceHostBytes:
     """DeepSpeed's `estimate_zero2_model_states_mem_needs`. With the optimizer offloaded the GPU keeps only the

@@ -34,6 +34,7 @@ NOT_RUN = {
     "parallel_output": "ColossalChat's parallel_output is not wired to a run knob",
     "keep_experience_caches": "what an experience maker keeps is each framework's own behaviour",
     "hydra_layers": "trlx's hydra layout is its framework.num_layers_unfrozen",
+    "overlap_comm": "the run's ds.overlap_comm follows its device (on where it has streams: CUDA)",
 }
 
 
