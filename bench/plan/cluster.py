@@ -303,8 +303,8 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
         terms = terms + Terms(host=states + OFFLOADED_GRADS * dense / shard / layout.dp)
     else:
         terms = terms + Terms(optimizer=states)
-    if zero3:
-        terms = terms + Terms(buffers=vb * min(DEEPSPEED_BUCKET, dense / shard))
+    if zero3:  # stage3.py allocates its reduce bucket whole at build and keeps it, whatever the model's size
+        terms = terms + Terms(buffers=vb * DEEPSPEED_BUCKET)
     return terms
 
 
