@@ -13,7 +13,8 @@
 # at its free, and the host peaks follow the live tensors. glibc's own threshold rises to the size of tensors freed
 # earlier, which made trlx's ZeRO-3 PPO peaks fall from batch 2 to 4; the 4 MiB the a49bc134e77c rung was measured
 # at sits inside the rungs' tensor sizes, so a tensor class crosses it as the batch doubles and the slack moved
-# with the batch (the misses left out there). Run time: llama-base 1.5 hours at a49bc134e77c at 4 MiB on the host
+# with the batch (the misses left out there). A run may take up to 3 hours (launcher.timeout_s; trlx's ZeRO-3 PPO
+# in fp32 at 128 KiB ran past the hour it had before, on an AMD EPYC with AVX512-BF16). Run time: llama-base 1.5 hours at a49bc134e77c at 4 MiB on the host
 # type with AMX (one session); 128 KiB adds about 26 s to each ZeRO-3 rollout (faults of the gathered weights,
 # measured on the AVX2 host: scripts/rollout_cost.py), about 18 minutes to the rung (an estimate); a CPU without
 # native bf16 matrix instructions runs the bf16 cells 15-19x slower.
@@ -85,7 +86,7 @@ cells=(
   "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
 common=(model=$model launcher.nproc=2 precision=$precision prompt_len=128 answer_len=128 steps=4 warmup_steps=1
-        stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=3600 sweep_name="$name")
+        stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=10800 sweep_name="$name")
 if [ "$dry" = 1 ]; then
   for cell in "${cells[@]}"; do
     # shellcheck disable=SC2086 # each cell is a list of overrides
@@ -103,6 +104,11 @@ host_guard "$curated/pending/host-$name.log" "rung: $model${suffix:+ $precision}
 keep_records() { mkdir -p "$pending" && (cd "$dir" && find . -name record.json -exec cp --parents {} "$pending/" \;); }
 trap 'keep_records; log_session' EXIT
 mkdir -p "$dir"
+# a cell that ran past an earlier, lower launcher.timeout_s is run again: its `timeout` record would count as done
+for timed_out in $(grep -lsrE --include=record.json '^  "status": "timeout"' "$dir" "$pending" || true); do
+  echo "cpu_rung.sh: $timed_out timed out under an earlier limit; its cell runs again" >&2
+  rm -f "$timed_out"
+done
 if [ -d "$pending" ]; then  # resume from the records a session before this one kept
   (cd "$pending" && find . -name record.json -exec cp -n --parents {} "$here/$dir/" \;)
 fi
