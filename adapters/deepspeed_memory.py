@@ -27,8 +27,11 @@ PERSISTENCE_THRESHOLD = 100_000
 def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
                    bucket_elements: int | None = None) -> tuple[Terms, Terms]:
     """(kept, made): gradient bytes of one trained model in its backward and step on one rank, on top of the
-    eager fp32 gradients (eager_gradient_bytes), split by lifetime. `kept` lives from step to step: ZeRO-3's
-    partition of the half gradients (stage3's grad_partitions_flat_buffer, zeroed at build). `made` is the most
+    eager fp32 gradients (eager_gradient_bytes), split by lifetime. `kept` lives from the engine's build on,
+    through every phase: ZeRO-3's partition of the gradients in the model's dtype (stage3's
+    grad_partitions_flat_buffer, allocated with torch.zeros at the end of the build and never freed; its pages
+    were resident after the build and through generation, experience and update alike: scripts/peak_moment.py
+    and a residency count by mincore, DS-Chat PPO, llama-base with 2 layers, fp32, 2 ranks). `made` is the most
     the backward's end and the step allocate and free within each step (run_shape.step_transient): the half
     gradients on the parameters (ZeRO-0/1, until the step) and their fp32 partition, the fp32 gradients the step
     flattens at ZeRO-3, and ZeRO-2's larger moment (zero2_made_bytes)."""
@@ -66,8 +69,9 @@ def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, 
     > 1): ZeRO-2/3 the rank's partition in the model's dtype (measured, DS-Chat PPO at glm-base ZeRO-2 on 2
     ranks: the generation and experience phases of the second rollout hold 209 MiB more, actor + critic
     partitions 208 MiB); ZeRO-0/1 the whole gradients on the parameters (not measured), except bf16 at ZeRO-0,
-    whose optimizer accumulates into the fp32 gradients it made at build (eager_gradient_bytes)."""
-    if eager_gradient_bytes(trainable, precision, zero):
+    whose optimizer accumulates into the fp32 gradients it made at build (eager_gradient_bytes), and ZeRO-3, whose
+    partition is resident from the build whatever the accumulation (gradient_terms' `kept`)."""
+    if eager_gradient_bytes(trainable, precision, zero) or zero >= 3:
         return 0.0
     return value_bytes * trainable / (dp if zero >= 2 else 1)
 

@@ -9,7 +9,8 @@ release the GIL). At each phase's highest sample it notes the module whose forwa
 (torch's global module hooks) and, for a DeepSpeed engine at ZeRO-3, the bytes of parameters gathered whole at
 that moment (`ds_status` AVAILABLE, persistent small ones left out) beside the most gathered at once in the
 phase (read at every module's forward and backward start as well as by the sampler, so a short step misses
-none).
+none), and the most gathered or in flight (INFLIGHT: prefetched, their gather under way; on the host gloo keeps
+a copy of each until the fetch: scripts/gloo_allgather_copy.py).
 
     MALLOC_MMAP_THRESHOLD_=4194304 torchrun --standalone --nproc_per_node 2 scripts/peak_moment.py \
         framework=trlx model=llama-base precision=fp32 zero=3 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
@@ -56,6 +57,7 @@ class PhasePeak:
     at_peak: str = ""  # the module whose forward or backward began last when the peak was sampled
     gathered_at_peak: int = 0
     most_gathered: int = 0
+    most_gathered_or_in_flight: int = 0  # with the parameters whose gather is under way (prefetched)
 
 
 @dataclass
@@ -68,21 +70,35 @@ class Sampler:
     peaks: dict[str, PhasePeak] = field(default_factory=dict)
     running: bool = True
 
-    def gathered(self) -> int:
+    def gathered(self) -> tuple[int, int]:
+        """(bytes gathered whole, bytes gathered or in flight), persistent small ones left out."""
         from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-        return sum(p.numel() * p.element_size() for p in self.partitioned
-                   if p.ds_status == ZeroParamStatus.AVAILABLE and not p.ds_persist)
+        available = in_flight = 0
+        for p in self.partitioned:
+            if p.ds_persist:
+                continue
+            if p.ds_status == ZeroParamStatus.AVAILABLE:
+                available += p.numel() * p.element_size()
+            elif p.ds_status == ZeroParamStatus.INFLIGHT:
+                in_flight += p.ds_numel * p.element_size()
+        return available, available + in_flight
+
+    def note_gathered(self, peak: PhasePeak) -> int:
+        available, with_in_flight = self.gathered() if self.partitioned else (0, 0)
+        peak.most_gathered = max(peak.most_gathered, available)
+        peak.most_gathered_or_in_flight = max(peak.most_gathered_or_in_flight, with_in_flight)
+        return available
 
     def run(self) -> None:
         process = psutil.Process()
         while self.running:
-            rss, gathered = process.memory_info().rss, self.gathered() if self.partitioned else 0
+            rss = process.memory_info().rss
             peak = self.peaks.get(self.phase)
             if peak is None:  # setup and the end: no phase's
                 time.sleep(PERIOD_S)
                 continue
-            peak.most_gathered = max(peak.most_gathered, gathered)
+            gathered = self.note_gathered(peak)
             if rss > peak.peak_rss:
                 peak.peak_rss, peak.at_peak, peak.gathered_at_peak = rss, self.where, gathered
             time.sleep(PERIOD_S)
@@ -94,8 +110,8 @@ class Sampler:
     def entered(self, direction: str, module: torch.nn.Module) -> None:
         self.where = f"{direction} {self.names.get(id(module), type(module).__name__)}"
         peak = self.peaks.get(self.phase)
-        if peak is not None and self.partitioned:
-            peak.most_gathered = max(peak.most_gathered, self.gathered())
+        if peak is not None:
+            self.note_gathered(peak)
 
 
 def zero3_parameters() -> list[torch.nn.Parameter]:
@@ -161,7 +177,8 @@ def main(argv: list[str]) -> None:
             peak = sampler.peaks[phase]
             print(f"  {phase}: RSS peak {(peak.peak_rss - peak.start_rss) / MIB:,.0f} MiB over the phase's start "
                   f"({peak.peak_rss / MIB:,.0f} MiB), at {peak.at_peak or 'no module'}; gathered then "
-                  f"{peak.gathered_at_peak / MIB:,.0f} MiB, at most {peak.most_gathered / MIB:,.0f}", flush=True)
+                  f"{peak.gathered_at_peak / MIB:,.0f} MiB, at most {peak.most_gathered / MIB:,.0f} "
+                  f"({peak.most_gathered_or_in_flight / MIB:,.0f} with those in flight)", flush=True)
         if json_path and rank == 0:
             with open(json_path, "w") as f:
                 json.dump({phase: asdict(sampler.peaks[phase]) for phase in PHASES[run.stage]}, f, indent=1)

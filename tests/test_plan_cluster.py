@@ -42,6 +42,17 @@ def test_resident_bytes_by_hand():
     r = resident(actor, Layout(tp=4, pp=2, dp=2, zero=3), w)
     assert r.params == pytest.approx(2 * PSI / 16) and r.optimizer == pytest.approx(12 * PSI / 16)
     assert r.buffers == 2 * 5e8
+    # and its gradient partition, bf16, kept from the build through every phase (stage3.py
+    # grad_partitions_flat_buffer): 2 Psi / 16, so the backward adds no gradients of its own
+    assert r.grads == pytest.approx(2 * PSI / 16)
+    assert training(actor, Layout(tp=4, pp=2, dp=2, zero=3), w).grads == 0
+    # under offload the partition lives on the host (4 bytes a parameter over dp with the states) and the
+    # backward's rank gradients pass through the GPU: 2 Psi / 8 there
+    off = Layout(dp=8, zero=3, offload=True)
+    assert resident(actor, off, w).grads == 0 and resident(actor, off, w).host == pytest.approx(
+        2 * PSI / 8 + 12 * PSI / 8 + 4 * PSI / 8)
+    assert training(actor, off, w).grads == pytest.approx(2 * PSI / 8)
+    assert resident(Role("reference", GLM_10B), Layout(dp=8, zero=3), w).grads == 0  # nothing trains
     # offload: the optimizer states and an fp32 gradient per parameter go to the host
     r = resident(actor, Layout(dp=8, zero=2, offload=True), w)
     assert r.optimizer == 0 and r.host == pytest.approx(12 * PSI / 8 + 4 * PSI / 8)

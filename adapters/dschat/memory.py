@@ -91,11 +91,12 @@ def predict(shape: RunShape) -> dict[str, Terms]:
             return state, grads, peak(build_transient(shape, params), during), after
         # ZeRO-0: the BF16_Optimizer makes every state and its fp32 gradients at once; ZeRO-3 builds the
         # partitions inside zero.Init, and its bucket's pages become resident at the first backward on the
-        # host, at allocation on a GPU
+        # host, at allocation on a GPU; its gradient partition (grads' kept) is made at the build's end, so the
+        # engines built after it find it there
         at_init = state + eager + (buffers if shape.device == "cuda" else Terms())
         if zero == 0:
             at_init = peak(at_init, build_transient(shape, params))
-        return state + buffers, grads, at_init, at_init
+        return state + buffers, grads, at_init, at_init + grads[0]
 
     if shape.stage in ("sft", "rm"):
         role = "actor" if shape.stage == "sft" else "reward"
@@ -109,7 +110,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         phases = {"init": init,
                   "training": state + eager + kept_grads + kept + step_transient(shape, work, made_grads)}
         if shape.stage == "rm":  # scoring follows the traced step's forward: it keeps the same gathered
-            phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq) + kept
+            phases["evaluation"] = state + kept_grads + forward_only(shape, 2 * shape.batch, shape.seq) + kept
         return phases
 
     actor, actor_grads, actor_during, actor_after = trained("actor", shape.lora)
@@ -118,7 +119,8 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     frozen_params = {role: role_params(shape, role, 0)[0] for role in ("ref", "reward")}
     frozen_after = {role: frozen_role(shape, role, p, vb, dp if stages[role] >= 3 else 1)
                     for role, p in frozen_params.items()}
-    resident = actor + critic + frozen_after["ref"] + frozen_after["reward"]
+    # ZeRO-3's gradient partitions (kept) stay from the build through every phase
+    resident = actor + critic + actor_grads[0] + critic_grads[0] + frozen_after["ref"] + frozen_after["reward"]
     eager = Terms(grads=eager_gradient_bytes(role_params(shape, "actor", shape.lora)[1], shape.precision, zero)
                   + eager_gradient_bytes(role_params(shape, "critic", 0)[1], shape.precision, stages["critic"]))
     # engines are built one after another (actor, reference, critic, reward): each one's build on top of
@@ -139,9 +141,9 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     critic_dropout = shape.options.get("critic_dropout")
     critic_dropout = True if critic_dropout is None else critic_dropout > 0
     # the update: actor loss and backward (log-softmax over its logits in the model's dtype), then the critic's
-    actor_pass = actor_grads[0] + step_transient(shape, forward_backward(
+    actor_pass = step_transient(shape, forward_backward(
         shape, shape.batch, seq, logits_copies=4, dropout=bool(shape.options.get("actor_dropout"))), actor_grads[1])
-    critic_pass = critic_grads[0] + step_transient(shape, forward_backward(
+    critic_pass = step_transient(shape, forward_backward(
         critic_shape, shape.batch, seq, dropout=critic_dropout), critic_grads[1])
     heavier = actor_pass if actor_pass.device >= critic_pass.device else critic_pass
     # grad_accum > 1: each rollout's update runs before the next rollout, so the accumulated gradients of both

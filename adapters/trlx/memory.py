@@ -180,16 +180,24 @@ def predict(shape: RunShape) -> dict[str, Terms]:
                                 linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         return {"init": init,
                 "training": state + kept_grads + kept_gathered(shape) + step_transient(shape, work, made_grads),
-                "evaluation": state + forward_only(shape, 2 * shape.batch, shape.seq)}
+                "evaluation": state + (kept_grads if shape.zero >= 3 else Terms())
+                + forward_only(shape, 2 * shape.batch, shape.seq)}
     rm_params = shape.arch.backbone_params + shape.arch.hidden
     reward_fn = frozen_role(shape, "reward", rm_params, vb)  # rank 0
     if dict(shape.quant).get("ref", "none") != "none":
         state = state + _quantized_branch(shape, 4 if shape.zero == 0 else vb)
-    resident = state + reward_fn
+    # ZeRO-3's gradient partition stays from the build on (kept at ZeRO-0 is DDP's buckets and autocast's
+    # copies, which live through a training step only)
+    partition = kept_grads if shape.zero >= 3 else Terms()
+    others = reward_fn
     if _full_reference(shape):  # a whole fp32 copy of the LM on every rank, outside accelerate
-        resident = resident + frozen_role(shape, "ref", shape.arch.total_params, 4)
-    # the reward function's model is built in fp32 and loads the RM checkpoint's fp32 state dict
-    init = peak(init + reward_fn, state + build_transient(shape, rm_params) + Terms(other=4 * rm_params))
+        others = others + frozen_role(shape, "ref", shape.arch.total_params, 4)
+    resident = state + partition + others
+    # the reward function's model is built in fp32 and loads the RM checkpoint's fp32 state dict, after the
+    # policy's engine (ZeRO-3: its gradient partition made, its bucket's pages not yet written on the host)
+    built = state if shape.zero < 3 or shape.device == "cuda" else Terms(params=state.params,
+                                                                           optimizer=state.optimizer)
+    init = peak(init + reward_fn, built + partition + build_transient(shape, rm_params) + Terms(other=4 * rm_params))
     seq = shape.seq
     logits_out = (fp32_logits if shape.zero == 0 and shape.mixed else 1)
     hidden_states = Terms(activations=2 * (shape.arch.layers + 1) * shape.batch * seq * shape.arch.hidden * vb)
@@ -209,5 +217,5 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         "generation": resident + generation_cache(shape) + forward_only(shape, shape.batch, 1),
         "experience": resident + generation_cache(shape, copies=2) + hidden_states
         + forward_only(shape, shape.batch, seq, logits_copies=2 * logits_out + 1),
-        "training": resident + kept_grads + step_transient(shape, work, made_grads),
+        "training": state + kept_grads + others + step_transient(shape, work, made_grads),
     }

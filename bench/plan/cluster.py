@@ -279,7 +279,7 @@ def _shard(layout: Layout) -> int:
 def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
     """What a role keeps on each of its GPUs in every phase: weights (split over tp x pp, and dp at ZeRO-3),
     optimizer states (the fp32 master copy and moments, split over dp from ZeRO-1; on the host with offload),
-    LoRA factors with their gradients and states, and ZeRO-3's kept reduce bucket."""
+    LoRA factors with their gradients and states, and ZeRO-3's kept reduce bucket and gradient partition."""
     vb, shard = workload.value_bytes, _shard(layout)
     zero3 = layout.zero >= 3
     weights = role.params * vb / shard / (layout.dp if zero3 else 1)
@@ -305,6 +305,8 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
         terms = terms + Terms(optimizer=states)
     if zero3:  # stage3.py allocates its reduce bucket whole at build and keeps it, whatever the model's size
         terms = terms + Terms(buffers=vb * DEEPSPEED_BUCKET)
+    if zero3 and not layout.offload:  # and its gradient partition (grad_partitions_flat_buffer, zeroed at the
+        terms = terms + Terms(grads=dense * vb / shard / layout.dp)  # build's end, kept: measured on the host)
     return terms
 
 
@@ -341,9 +343,9 @@ def _gathered(role: Role, layout: Layout, workload: Workload) -> float:
 
 
 def training(role: Role, layout: Layout, workload: Workload) -> Terms:
-    """On top of `resident`, at the peak of the role's backward: gradients, the reduce bucket, the
-    activations of the micro-batch (the first pipeline stage holds the whole model's worth under 1F1B) and,
-    for the actor, the logits with an fp32 log-softmax and its gradient."""
+    """On top of `resident`, at the peak of the role's backward: gradients (but ZeRO-3's partition, resident),
+    the reduce bucket, the activations of the micro-batch (the first pipeline stage holds the whole model's worth
+    under 1F1B) and, for the actor, the logits with an fp32 log-softmax and its gradient."""
     arch, vb, shard = role.arch, workload.value_bytes, _shard(layout)
     b, s, t = workload.micro_batch, workload.seq, layout.tp
     per_layer = layer_activation_bytes(arch, b, s, t, layout.recompute, vb, workload.flash_attention)
@@ -358,7 +360,10 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     if role.hydra and role.name == "critic":  # the value head's fp32 hidden layer, on the actor's hidden states
         activations = b * s * 2 * arch.hidden * 4 / t
     dense = role.dense_trainable
-    grads = dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
+    # ZeRO-3's partition is resident (`resident`) but under offload, where it lives on the host and the GPU
+    # holds the rank's gradients on their way there
+    kept = layout.zero >= 3 and not layout.offload
+    grads = 0.0 if kept else dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
     bucket = zero2_reduce_bytes(dense / shard, vb, workload.overlap_comm) if layout.zero == 2 and dense else 0.0
     logits = logits_bytes(arch, b, s, _logit_split(layout, workload), 1) * (vb + 8) if role.name == "actor" else 0.0
     return Terms(grads=grads, activations=activations, logits=logits,
