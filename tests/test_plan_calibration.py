@@ -157,3 +157,82 @@ def test_a_select_that_is_not_key_equals_value_exits_2_naming_it(tmp_path, capsy
     assert main([str(tmp_path), "--select", pair, "--dry-run"]) == 2
     out = capsys.readouterr().out
     assert named in out and "model.name=[glm-base,llama-base]" in out
+
+
+def test_each_setting_keeps_its_own_fit_and_a_run_takes_only_its_own(tmp_path, monkeypatch) -> None:
+    """One file, one fit per measurement setting: storing a fit replaces the stored fit of its setting and keeps
+    the others; a run takes the fit of its own precision and mmap threshold (the narrowest where two hold it),
+    and none where no fit was measured under them."""
+    from bench.plan.calibration import MeasurementSetting
+
+    monkeypatch.setattr(calibration, "path_for", lambda package: str(tmp_path / f"{package}.json"))
+    pooled = Calibration("trlx", "cpu", {"sft/training/full": 100.0}, MeasurementSetting(None, ("bf16", "fp32")))
+    fp32 = Calibration("trlx", "cpu", {"sft/training/full": 30.0}, MeasurementSetting(131072, ("fp32",)))
+    calibration.save(fp32, "trlx")
+    calibration.save(pooled, "trlx")
+    assert calibration.load_all("trlx") == [pooled, fp32]  # glibc's own threshold first
+    assert calibration.for_run("trlx", "cpu", "fp32", 131072) == fp32
+    assert calibration.for_run("trlx", "cpu", "fp32", None) == pooled
+    assert calibration.for_run("trlx", "cpu", "bf16", 131072) is None  # no bf16 fit at 128 KiB
+    assert calibration.for_run("trlx", "cpu", "fp16", None) is None
+    assert calibration.for_run("trlx", "cuda", "fp32", 131072) is None
+    refit = Calibration("trlx", "cpu", {"sft/training/full": 40.0}, MeasurementSetting(131072, ("fp32",)))
+    calibration.save(refit, "trlx")  # the same setting: replaced, the pool kept
+    assert calibration.load_all("trlx") == [pooled, refit]
+    narrow = Calibration("trlx", "cpu", {"sft/training/full": 70.0}, MeasurementSetting(None, ("fp32",)))
+    calibration.save(narrow, "trlx")
+    assert calibration.for_run("trlx", "cpu", "fp32", None) == narrow
+    assert calibration.for_run("trlx", "cpu", "bf16", None) == pooled
+    with pytest.raises(ValueError, match="setting"):
+        calibration.save(Calibration("trlx", "cpu", {}), "trlx")
+
+
+def test_a_prediction_takes_the_fit_of_its_run_s_setting_and_says_which(tmp_path, monkeypatch) -> None:
+    """A run's recorded prediction: 200 MiB of DS-Chat's SFT training offset at 128 KiB in fp32 (100 per 16 bits,
+    doubled), none in bf16 at 128 KiB, and the calibration named in words either way."""
+    from bench.plan.calibration import MeasurementSetting
+    from bench.plan.predict import record_entry
+    from bench.run.config import compose
+    from bench.run.spec import spec_from_config
+
+    monkeypatch.setattr(calibration, "path_for", lambda package: str(tmp_path / f"{package}.json"))
+    calibration.save(Calibration("dschat", "cpu", {"sft/training/full": 100 * MiB, "sft/init/full": 10 * MiB},
+                                 MeasurementSetting(131072, ("fp32",)), fitted_on={"runs": 7, "source": "rung",
+                                                                                   "selection": {"seed": 1}}),
+                     "dschat")
+    base = ["framework=dschat", "stage=sft", "zero=2", "memory_mmap_threshold=131072"]
+    memory = {"phases": {"training": {"growth_over_baseline_bytes": 10**9}}}
+    fp32 = record_entry(spec_from_config(compose([*base, "precision=fp32"])), "sft", "cpu", memory)
+    assert fp32["phases"]["training"]["calibration_bytes"] == 200 * MiB
+    assert fp32["calibration"] == ("the fit for fp32 at memory_mmap_threshold=131072 on cpu: 7 runs of rung "
+                                   "where {'seed': 1}")
+    bf16 = record_entry(spec_from_config(compose([*base, "precision=bf16"])), "sft", "cpu", memory)
+    assert bf16["phases"]["training"]["calibration_bytes"] == 0
+    assert bf16["calibration"] == ("none: no dschat calibration on cpu for bf16 at memory_mmap_threshold=131072 "
+                                   "(physics alone)")
+
+
+def test_the_report_splits_a_framework_s_runs_by_the_fit_of_their_setting(tmp_path, monkeypatch) -> None:
+    """Three DS-Chat runs of three settings, two of them fitted: the accuracy table names each fit's rows by
+    its setting, and the run of the third setting stands under "no calibration" with its physics alone."""
+    from report_records import record
+
+    from bench.plan.calibration import MeasurementSetting
+    from bench.report.prediction import prediction_table
+    from bench.run.config import compose
+
+    monkeypatch.setattr(calibration, "path_for", lambda package: str(tmp_path / f"{package}.json"))
+    for setting in (MeasurementSetting(None, ("bf16",)), MeasurementSetting(131072, ("fp32",))):
+        calibration.save(Calibration("dschat", "cpu", {"sft/training/full": 1.0}, setting,
+                                     fitted_on={"runs": 1, "source": "s", "selection": {}}), "dschat")
+    runs = {name: record(compose(["framework=dschat", "stage=sft", f"precision={precision}",
+                                  f"memory_mmap_threshold={threshold}"]), run_id=name)
+            for name, precision, threshold in (("a", "bf16", "null"), ("b", "fp32", 131072), ("c", "bf16", 131072))}
+    accuracy = prediction_table(runs)[0]
+    labels = {(row[0], row[1], row[2]) for row in accuracy.rows}
+    fitted = ("dschat (bf16 at glibc's own mmap threshold)", "dschat (fp32 at memory_mmap_threshold=131072)")
+    assert labels == {(name, split, "2") for name in fitted for split in ("fitted", "leave one configuration out")} \
+        | {("dschat (no fit)", "no calibration", "2")}  # init and training of each run
+    unfitted = next(row for row in accuracy.rows if row[0] == "dschat (no fit)")
+    assert unfitted[3] == unfitted[4]  # MAE calibrated is the physics' own
+    assert "dschat, fp32 at memory_mmap_threshold=131072: s" in accuracy.caption

@@ -1,6 +1,7 @@
 """The stored calibrations are what `python -m bench.plan.calibrate` fits on the curated records today: a refit
-of the curated examples each file names as its source (the GPT-2-shaped glm-base sweep and the Llama-shaped
-llama-base rung, seed 1) against the stored offsets."""
+of the curated examples each fit names as its source against the stored offsets, per framework and measurement
+setting: the bf16 pool at glibc's own mmap threshold (the GPT-2-shaped glm-base sweep and the Llama-shaped
+llama-base rung, seed 1) and the fp32 llama-base rung at 128 KiB."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ from bench.plan.calibrate import _records, refit
 
 REPO = Path(__file__).resolve().parents[1]
 GPT2_LADDER = "results/examples/glm-base"
+FP32_RUNG = "results/examples/llama-base-fp32"
+FRAMEWORKS = ("dschat", "colossalai", "trlx")
+# each framework's fits: (the setting's mmap threshold, a root it must name)
+SETTINGS = ((None, GPT2_LADDER), (131072, FP32_RUNG))
 
 
 def _sources(stored: calibration.Calibration) -> list[str]:
@@ -24,25 +29,28 @@ def _sources(stored: calibration.Calibration) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def stored() -> dict[str, calibration.Calibration]:
+def stored() -> dict[tuple[str, int | None], calibration.Calibration]:
     out = {}
-    for framework in ("dschat", "colossalai", "trlx"):
-        cal = calibration.load(registry.package(framework))
-        assert cal is not None, f"{framework}: no stored calibration"
-        out[framework] = cal
+    for framework in FRAMEWORKS:
+        fits = calibration.load_all(registry.package(framework))
+        thresholds = [cal.setting.mmap_threshold for cal in fits]
+        assert sorted(thresholds, key=str) == sorted((t for t, _ in SETTINGS), key=str), f"{framework}: {thresholds}"
+        out.update({(framework, cal.setting.mmap_threshold): cal for cal in fits})
     return out
 
 
-@pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx"])
-def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, framework):
-    cal = stored[framework]
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("threshold, root", SETTINGS)
+def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, framework, threshold, root):
+    cal = stored[(framework, threshold)]
     roots = _sources(cal)
-    assert GPT2_LADDER in roots and all((REPO / root).is_dir() for root in roots), roots
-    records = _records([str(REPO / root) for root in roots])
+    assert root in roots and all((REPO / r).is_dir() for r in roots), roots
+    records = _records([str(REPO / r) for r in roots])
     fit = refit(records, comparisons(records), cal.fitted_on["selection"], cal.fitted_on["source"], framework)
     assert fit is not None
     fitted = fit[0]
     assert fitted.fitted_on == cal.fitted_on
+    assert fitted.setting == cal.setting
     assert sorted(fitted.offsets_bytes) == sorted(cal.offsets_bytes)
     drifted = {k: (cal.offsets_bytes[k], v) for k, v in fitted.offsets_bytes.items()
                if v != pytest.approx(cal.offsets_bytes[k], rel=1e-9, abs=1.0)}
@@ -53,6 +61,22 @@ def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, fr
     assert fitted.model_factors == pytest.approx(cal.model_factors, rel=1e-9), f"{framework}: stored factors are stale"
     assert fitted.batch_shares == pytest.approx(cal.batch_shares, rel=1e-9), f"{framework}: stored shares are stale"
     assert fitted.reference_tokens == cal.reference_tokens
+
+
+def test_each_fit_s_setting_is_what_its_records_ran_under(stored):
+    """Read a second way: the precision and memory_mmap_threshold of every curated, successful record.json that a
+    fit's selection names under its sources (a forced failure measures nothing)."""
+    for (framework, threshold), cal in stored.items():
+        seen = set()
+        for root in _sources(cal):
+            for path in (REPO / root).rglob("record.json"):
+                record = json.loads(path.read_text())
+                config = record["config"]
+                if config["framework"]["name"] == framework and _selected(config, cal.fitted_on["selection"]) \
+                        and record["status"] == "ok" and "forced-failure" not in config.get("tags", []):
+                    seen.add((config.get("memory_mmap_threshold"), config["precision"]))
+        assert {t for t, _ in seen} == {threshold}, (framework, seen)
+        assert set(cal.setting.precisions) == {p for _, p in seen}, (framework, seen)
 
 
 def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:
@@ -66,16 +90,19 @@ def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("framework", ["dschat", "colossalai", "trlx"])
-def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored, framework):
-    """Read a second way: every curated record.json of the framework under the calibration's sources that its
-    selection names, rank 0's post-import baseline of each successful stage, their median; on a device with no
-    records the runtime is not counted."""
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+@pytest.mark.parametrize("threshold, precision", [(None, "bf16"), (131072, "fp32")])
+def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored, framework, threshold, precision):
+    """Read a second way: every curated record.json of the framework under the fit's sources that its selection
+    names, rank 0's post-import baseline of each successful stage, their median; a run of a setting no fit was
+    measured under takes the first fit's, said so; on a device with no records the runtime is not counted."""
     import statistics
 
     from bench.plan.preflight import runtime_bytes
+    from bench.run.config import compose
+    from bench.run.spec import spec_from_config
 
-    cal = stored[framework]
+    cal = stored[(framework, threshold)]
     baselines = []
     for root in _sources(cal):
         for path in (REPO / root).rglob("record.json"):
@@ -88,10 +115,18 @@ def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored
                 if stage["status"] == "ok":
                     baselines.append(stage["memory"]["baseline_bytes_per_rank"][0])
     assert len(baselines) >= 10
-    runtime, source = runtime_bytes(framework, "cpu")
+    overrides = [f"framework={framework}", f"precision={precision}"]
+    fixed = "null" if threshold is None else threshold
+    spec = spec_from_config(compose([*overrides, f"memory_mmap_threshold={fixed}"]))
+    runtime, source = runtime_bytes(spec, "cpu")
     assert runtime == statistics.median(baselines)
     assert 300 * 2**20 < runtime < 500 * 2**20 and "median post-import baseline" in source
-    assert runtime_bytes(framework, "cuda") == (0.0, f"not counted: no {framework} records on cuda to measure it from")
+    assert "measured under" not in source
+    elsewhere = spec_from_config(compose([*overrides, "memory_mmap_threshold=4194304"]))
+    pooled = stored[(framework, None)]
+    assert runtime_bytes(elsewhere, "cpu")[0] == pooled.runtime_bytes
+    assert f"measured under {pooled.setting.describe()}" in runtime_bytes(elsewhere, "cpu")[1]
+    assert runtime_bytes(spec, "cuda") == (0.0, f"not counted: no {framework} records on cuda to measure it from")
 
 
 def test_the_llama_rung_pairs_each_regime_s_batch_2_and_batch_4_runs():

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.plan import calibration
-from bench.plan.calibration import Calibration
 from bench.plan.physics import dtype_bytes
 from bench.plan.predict import micro_batch_tokens, predict_stage, regime_of
 from bench.results.collect import cell_config, cell_id
@@ -37,6 +36,8 @@ class Comparison:
     predicted: float
     tokens: int  # a micro-batch's: the calibration's batch share scales with them
     batch_pair: str  # the configuration apart from its micro-batch: runs sharing it pair for the batch share
+    precision: str = "bf16"  # with mmap_threshold, the measurement setting: which fit applies to the run
+    mmap_threshold: int | None = None  # memory_mmap_threshold the ranks ran under (None: glibc's own)
 
     @property
     def error(self) -> float:
@@ -111,7 +112,8 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
                 out.append(Comparison(run, spec.framework, stage, phase, spec.model.name, spec.seed,
                                       regime_of(spec), dtype_bytes(spec.precision), _cell(record, stage),
                                       _label(spec), measured, p.physics.device, p.predicted,
-                                      micro_batch_tokens(spec), _batch_pair(record, stage)))
+                                      micro_batch_tokens(spec), _batch_pair(record, stage), spec.precision,
+                                      spec.memory_mmap_threshold))
     return out
 
 
@@ -151,10 +153,3 @@ def split_of(comparison: Comparison, chosen: set[str], chosen_cells: set[str], c
         return OTHER_MODEL
     return OTHER_SEEDS if comparison.cell in chosen_cells else OTHER_CONFIG
 
-
-def fitted(comparison: Comparison, records: Mapping[str, dict[str, Any]],
-           calibrations: Mapping[str, Calibration | None]) -> bool:
-    cal = calibrations.get(comparison.framework)
-    if cal is None:
-        return False
-    return in_selection(records[comparison.run].get("config") or {}, cal.fitted_on.get("selection") or {})

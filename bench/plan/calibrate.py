@@ -1,11 +1,15 @@
 """`python -m bench.plan.calibrate ROOT [--select KEY=VALUE ...] [--dry-run]`: fit each framework's memory
 calibration (bench.plan.calibration) on the selected runs under ROOT and write it next to the framework's
-memory model; print the error before and after, on the fitted runs and on the others.
+memory model, in place of its fit of the same measurement setting (mmap threshold and precisions; the fits of
+other settings stay); print the error before and after, on the fitted runs and on the others.
 
 Example (what the stored calibrations are: the GPT-2-shaped and the Llama-shaped CPU rungs, seed 1; glm-large
 stays a model the fit never saw):
   python -m bench.plan.calibrate results/examples/glm-base results/examples/glm-base-amx \
     results/examples/llama-base --select 'model.name=[glm-base,llama-base]' --select seed=1
+and the fp32 fit at 128 KiB, beside it:
+  python -m bench.plan.calibrate results/examples/llama-base-fp32 --select model.name=llama-base --select seed=1 \
+    --select precision=fp32 --select memory_mmap_threshold=131072
 """
 
 from __future__ import annotations
@@ -100,8 +104,16 @@ def refit(records: dict[str, dict[str, Any]], rows: list[Comparison], selection:
         _one_measurement(records, fitted, framework)
     cal = calibration.fit(framework, device, _residuals(fitted), {
         "source": os.path.normpath(root), "selection": selection, "runs": len({r.run for r in fitted})},
-        runtime_samples(records, sorted({r.run for r in fitted})))
-    return cal, mine, chosen, device
+        runtime_samples(records, sorted({r.run for r in fitted})), setting_of(records, fitted))
+    # the runs of other settings take none of this fit (bench.plan.calibration.for_run): left out of its splits
+    return cal, [r for r in mine if cal.setting.matches(r.precision, r.mmap_threshold)], chosen, device
+
+
+def setting_of(records: dict[str, dict[str, Any]], fitted: list[Comparison]) -> calibration.MeasurementSetting:
+    """The measurement setting of the fitted runs (one mmap threshold: `_one_measurement` refuses more)."""
+    configs = [records[r.run].get("config") or {} for r in fitted]
+    return calibration.MeasurementSetting(mmap_threshold(records[fitted[0].run]),
+                                          tuple(sorted({str(c.get("precision")) for c in configs})))
 
 
 def floor_rule(record: dict[str, Any], stage: str) -> int:
@@ -208,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
                               f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.model} seed {worst.seed})",
                               f"{acc.within}/{acc.runs}")
         if not args.dry_run:
-            console.print(f"wrote {calibration.save(cal, registry.package(framework))}")
+            console.print(f"wrote {calibration.save(cal, registry.package(framework))} "
+                          f"(the fit for {cal.setting.describe()})")
     console.print(table)
     return 0
 

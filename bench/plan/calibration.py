@@ -20,6 +20,11 @@ activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp3
 does not name, and build-time transients. It is fitted on named runs (`fitted_on`), stored next to the
 framework's memory model (adapters/<framework>/memory_calibration.json) and applied only on the device it was
 fitted on; the report shows the error with and without it, on the runs it was fitted on and on the others.
+
+A framework keeps one fit per measurement setting (MeasurementSetting: the glibc mmap threshold the ranks ran
+under and the precisions of the fitted runs): the threshold decides what every freed tensor leaves behind (at
+128 KiB its pages go back, at glibc's own threshold the heap keeps them), so the offsets of one setting are not
+another's slack, and `bench.plan.calibrate` refuses to pool them. A run takes the fit of its own setting, or none.
 """
 
 from __future__ import annotations
@@ -41,10 +46,31 @@ REFERENCE_TOKENS = 512
 
 
 @dataclass(frozen=True)
+class MeasurementSetting:
+    """What a fit's host peaks were measured under: runs of another setting take none of its offsets."""
+    mmap_threshold: int | None  # memory_mmap_threshold of every fitted run (None: glibc's own)
+    precisions: tuple[str, ...]  # the precisions of the fitted runs, sorted
+
+    def matches(self, precision: str, mmap_threshold: int | None) -> bool:
+        return mmap_threshold == self.mmap_threshold and precision in self.precisions
+
+    def describe(self) -> str:
+        threshold = ("glibc's own mmap threshold" if self.mmap_threshold is None
+                     else f"memory_mmap_threshold={self.mmap_threshold}")
+        return f"{'/'.join(self.precisions)} at {threshold}"
+
+
+def describe_run_setting(precision: str, mmap_threshold: int | None) -> str:
+    return MeasurementSetting(mmap_threshold, (precision,)).describe()
+
+
+@dataclass(frozen=True)
 class Calibration:
     framework: str
     device: str
     offsets_bytes: dict[str, float]  # "stage/phase/regime" -> bytes added to the physics at 16-bit values
+    # the setting the fitted runs were measured under (None only in a fit not yet stored: tests, leave-one-out)
+    setting: MeasurementSetting | None = None
     fitted_on: dict[str, Any] = field(default_factory=dict)  # what the fit read: source, selection, runs
     # what a rank holds before any model exists (interpreter, torch, the engine libraries, process groups): the
     # median of rank 0's post-import baseline over the fitted runs' stages; preflight adds it to the prediction
@@ -158,7 +184,7 @@ def batch_shares(residuals: Iterable[Residual], reference_tokens: int = REFERENC
 
 
 def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: dict[str, Any],
-        runtime_samples: Iterable[float] = ()) -> Calibration:
+        runtime_samples: Iterable[float] = (), setting: MeasurementSetting | None = None) -> Calibration:
     """`runtime_samples`: rank 0's post-import baseline of each fitted stage (bytes)."""
     residuals = list(residuals)
     shares = Calibration(framework, device, {}, batch_shares=batch_shares(residuals))
@@ -174,7 +200,7 @@ def fit(framework: str, device: str, residuals: Iterable[Residual], fitted_on: d
         if r.model and abs(pooled) >= FACTOR_MIN_BYTES:
             ratios.setdefault(factor_key(r.model, r.key), []).append(value / pooled)
     runtime = list(runtime_samples)
-    return Calibration(framework=framework, device=device, offsets_bytes=offsets, fitted_on=fitted_on,
+    return Calibration(framework=framework, device=device, offsets_bytes=offsets, setting=setting, fitted_on=fitted_on,
                        runtime_bytes=float(statistics.median(runtime)) if runtime else None,
                        model_factors={k: float(statistics.median(v)) for k, v in sorted(ratios.items())},
                        batch_shares=shares.batch_shares)
@@ -186,18 +212,39 @@ def path_for(framework_package: str) -> str:
     return os.path.join(os.path.dirname(adapters.__file__), framework_package, CALIBRATION_FILE)
 
 
-def load(framework_package: str) -> Calibration | None:
+def _from_json(data: dict[str, Any]) -> Calibration:
+    setting = data.pop("setting")
+    return Calibration(**data, setting=MeasurementSetting(setting["mmap_threshold"], tuple(setting["precisions"])))
+
+
+def load_all(framework_package: str) -> list[Calibration]:
+    """Every fit the framework keeps, one per measurement setting."""
     path = path_for(framework_package)
     if not os.path.exists(path):
-        return None
+        return []
     with open(path) as f:
-        data = json.load(f)
-    return Calibration(**data)
+        return [_from_json(data) for data in json.load(f)["fits"]]
+
+
+def for_run(framework_package: str, device: str, precision: str, mmap_threshold: int | None) -> Calibration | None:
+    """The fit of a run's own setting on its device (the one fitted on fewest precisions where several hold the
+    run's), or None: a run of a setting no fit was measured under takes the physics alone."""
+    matching = [c for c in load_all(framework_package)
+                if c.device == device and c.setting is not None and c.setting.matches(precision, mmap_threshold)]
+    return min(matching, key=lambda c: len(c.setting.precisions), default=None)
 
 
 def save(calibration: Calibration, framework_package: str) -> str:
+    """Store `calibration` in place of the framework's fit of the same device and setting; the others stay."""
+    if calibration.setting is None:
+        raise ValueError(f"{calibration.framework}: a calibration is stored with the setting it was fitted under")
+    kept = [c for c in load_all(framework_package)
+            if (c.device, c.setting) != (calibration.device, calibration.setting)]
+    fits = sorted([*kept, calibration], key=lambda c: (c.device, c.setting.mmap_threshold is not None,
+                                                       c.setting.mmap_threshold or 0, c.setting.precisions))
     path = path_for(framework_package)
     with open(path, "w") as f:
-        json.dump(asdict(calibration), f, indent=1, sort_keys=True)
+        json.dump({"framework": calibration.framework, "fits": [asdict(c) for c in fits]}, f, indent=1,
+                  sort_keys=True)
         f.write("\n")
     return path

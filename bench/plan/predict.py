@@ -17,7 +17,8 @@ MiB = 2 ** 20
 METHOD = ("bytes each phase adds over the post-import baseline on the busiest rank: the framework's memory model "
           "(adapters/<framework>/memory.py: parameter counts, dtypes, ZeRO partitioning, the tensors each phase "
           "keeps alive, the stand-in's saved activations) = physics, plus the framework's calibration offset "
-          "(adapters/<framework>/memory_calibration.json; its batch share scaled by the run's tokens a micro-batch) = "
+          "(adapters/<framework>/memory_calibration.json, the fit of the run's precision and mmap threshold, none "
+          "where no fit was measured under them; its batch share scaled by the run's tokens a micro-batch) = "
           "predicted; error = (predicted - measured) / measured")
 
 
@@ -40,12 +41,17 @@ def physics(spec: RunSpec, stage: str, device: str = "cpu") -> dict[str, Terms] 
     return model(RunShape.from_spec(spec, stage, device))
 
 
+def calibration_for(spec: RunSpec, device: str) -> calibration.Calibration | None:
+    """The framework's fit of the run's measurement setting (precision, mmap threshold) on `device`, or None."""
+    return calibration.for_run(registry.package(spec.framework), device, spec.precision, spec.memory_mmap_threshold)
+
+
 def predict_stage(spec: RunSpec, stage: str, device: str = "cpu",
                   calibrated: bool = True) -> dict[str, PhasePrediction] | None:
     terms = physics(spec, stage, device)
     if terms is None:
         return None
-    cal = calibration.load(registry.package(spec.framework)) if calibrated else None
+    cal = calibration_for(spec, device) if calibrated else None
     regime, value_bytes = regime_of(spec), dtype_bytes(spec.precision)
     return {phase: PhasePrediction(t, cal.offset(calibration.key(stage, phase, regime), device, value_bytes,
                                                  spec.model.name, micro_batch_tokens(spec)) if cal else 0.0)
@@ -79,4 +85,15 @@ def record_entry(spec: RunSpec, stage: str, device: str, memory: dict[str, Any])
             entry["error"] = (p.predicted - measured) / measured
             entry["error_physics"] = (p.physics.device - measured) / measured
         phases[phase] = entry
-    return {"method": METHOD, "unit": "bytes", "device": device, "phases": phases}
+    return {"method": METHOD, "unit": "bytes", "device": device, "calibration": calibration_source(spec, device),
+            "phases": phases}
+
+
+def calibration_source(spec: RunSpec, device: str) -> str:
+    """Which fit a run's prediction took, in words: its setting and what it was fitted on, or why none."""
+    cal = calibration_for(spec, device)
+    if cal is None:
+        return (f"none: no {spec.framework} calibration on {device} for "
+                f"{calibration.describe_run_setting(spec.precision, spec.memory_mmap_threshold)} (physics alone)")
+    return (f"the fit for {cal.setting.describe()} on {device}: {cal.fitted_on.get('runs')} runs of "
+            f"{cal.fitted_on.get('source')} where {cal.fitted_on.get('selection')}")

@@ -24,16 +24,23 @@ SAFETY = 0.9
 GiB = 2 ** 30
 
 
-def runtime_bytes(framework: str, device: str) -> tuple[float, str]:
-    """What a rank holds before any model exists on `device`, and where the figure comes from."""
+def runtime_bytes(spec: RunSpec, device: str) -> tuple[float, str]:
+    """What a rank holds before any model exists on `device`, and where the figure comes from: the fit of the
+    run's own setting, else the device's first fit (the baseline is taken before any model or tensor exists, so
+    the precision and the mmap threshold do not set it), said so."""
     from adapters import registry
     from bench.plan import calibration
 
-    fitted = calibration.load(registry.package(framework))
-    if fitted is None or fitted.device != device or fitted.runtime_bytes is None:
-        return 0.0, f"not counted: no {framework} records on {device} to measure it from"
-    return fitted.runtime_bytes, (f"median post-import baseline of {fitted.fitted_on.get('runs')} {framework} "
-                                  f"runs on {device} ({fitted.fitted_on.get('source')})")
+    on_device = [c for c in calibration.load_all(registry.package(spec.framework))
+                 if c.device == device and c.runtime_bytes is not None]
+    own = [c for c in on_device if c.setting is not None
+           and c.setting.matches(spec.precision, spec.memory_mmap_threshold)]
+    fitted = min(own, key=lambda c: len(c.setting.precisions)) if own else on_device[0] if on_device else None
+    if fitted is None:
+        return 0.0, f"not counted: no {spec.framework} records on {device} to measure it from"
+    setting = "" if own else f", measured under {fitted.setting.describe()}"
+    return fitted.runtime_bytes, (f"median post-import baseline of {fitted.fitted_on.get('runs')} {spec.framework} "
+                                  f"runs on {device} ({fitted.fitted_on.get('source')}{setting})")
 
 
 class PreflightRefusal(Exception):
@@ -91,7 +98,7 @@ def budget(spec: RunSpec, device: str) -> tuple[float, str]:
 def worst(spec: RunSpec, device: str, total: float, source: str) -> Verdict | None:
     """The stage and phase predicted to hold most, or None for a framework without a memory model."""
     found = None
-    runtime, _ = runtime_bytes(spec.framework, device)
+    runtime, _ = runtime_bytes(spec, device)
     for stage in spec.stages:
         predicted = predict_stage(spec, stage, device)
         if predicted is None:
@@ -119,7 +126,7 @@ def preflight(spec: RunSpec, mode: str, device: str) -> tuple[RunSpec, dict[str,
         spec = dataclasses.replace(spec, batch=spec.batch // 2,
                                    grad_accum=spec.grad_accum * (1 if spec.global_batch is None else 2))
         verdict = worst(spec, device, total, source)
-    runtime, runtime_source = runtime_bytes(spec.framework, device)
+    runtime, runtime_source = runtime_bytes(spec, device)
     found = {"mode": mode, "device": device, "asked_batch": first.batch, "asked": first.as_dict(),
              "run_batch": spec.batch, "run_grad_accum": spec.grad_accum, "verdict": verdict.as_dict(), "safety": SAFETY,
              "runtime_bytes": runtime, "runtime_source": runtime_source}

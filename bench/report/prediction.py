@@ -27,17 +27,31 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
     rows = comparisons(records)
     if not rows:
         return []
-    cals = {f: calibration.load(registry.package(f)) for f in {r.framework for r in rows}}
     by_split: dict[str, dict[str, list[Comparison]]] = {}
+    used: list[calibration.Calibration] = []
     for framework in sorted({r.framework for r in rows}):
-        cal = cals[framework]
-        mine = [r for r in rows if r.framework == framework]
-        if cal is None:
-            by_split[framework] = {"no calibration": mine}
-            continue
-        chosen = {r.run for r in mine if in_selection(records[r.run].get("config") or {},
-                                                      cal.fitted_on.get("selection") or {})}
-        by_split[framework] = splits(mine, cal, chosen, framework, cal.device)
+        fits = calibration.load_all(registry.package(framework))
+        by_fit: dict[int | None, list[Comparison]] = {}  # the framework's rows by the fit of their setting
+        fit_of: dict[tuple[str, str, int | None], int | None] = {}
+        for r in rows:
+            if r.framework == framework:
+                setting = ((records[r.run].get("environment") or {}).get("device") or "cpu", r.precision,
+                           r.mmap_threshold)
+                if setting not in fit_of:
+                    fit = calibration.for_run(registry.package(framework), *setting)
+                    fit_of[setting] = None if fit is None else fits.index(fit)
+                by_fit.setdefault(fit_of[setting], []).append(r)
+        label = framework if len(by_fit) == 1 else None
+        for index, mine in sorted(by_fit.items(), key=lambda item: -1 if item[0] is None else item[0]):
+            cal = None if index is None else fits[index]
+            name = label or (f"{framework} ({cal.setting.describe()})" if cal else f"{framework} (no fit)")
+            if cal is None:
+                by_split[name] = {"no calibration": mine}
+                continue
+            used.append(cal)
+            chosen = {r.run for r in mine if in_selection(records[r.run].get("config") or {},
+                                                          cal.fitted_on.get("selection") or {})}
+            by_split[name] = splits(mine, cal, chosen, framework, cal.device)
     summary, detail = [], []
     for split in (*SPLITS, "no calibration"):
         for framework, parts in by_split.items():
@@ -55,12 +69,13 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
                                f"{statistics.median(m.predicted for m in group) / MIB:,.0f}",
                                f"{acc.mae_physics:.1%}", f"{acc.mae:.1%}",
                                f"{acc.worst.error:+.1%} ({acc.worst.label})", f"{acc.within}/{acc.runs}"])
-    sources = "; ".join(f"{f}: {c.fitted_on.get('source')} where {c.fitted_on.get('selection')} "
-                        f"({c.fitted_on.get('runs')} runs)" for f, c in sorted(cals.items()) if c)
+    sources = "; ".join(f"{c.framework}, {c.setting.describe()}: {c.fitted_on.get('source')} where "
+                        f"{c.fitted_on.get('selection')} ({c.fitted_on.get('runs')} runs)" for c in used)
     method = ("Growth over the post-import baseline on the busiest rank, MiB: measured, and predicted by each "
               "framework's memory model (adapters/<framework>/memory.py, physics) plus its calibration offset "
-              "(adapters/<framework>/memory_calibration.json; its batch share scaled by the run's tokens a "
-              "micro-batch), the current model applied to every record's "
+              "(adapters/<framework>/memory_calibration.json: the fit of the run's measurement setting, its "
+              "precision and mmap threshold, none where no fit was measured under them; its batch share scaled by "
+              "the run's tokens a micro-batch), the current model applied to every record's "
               "configuration. MAE = mean |predicted - measured| / measured, before (physics) and after calibration; "
               f"within = figures within {TOLERANCE:.0%}. Splits, most out-of-sample first: leave one configuration "
               "out (each fitted configuration predicted by a calibration fitted without it), other model (a model "
