@@ -37,7 +37,11 @@
 # Once its llama-base rung is measured the accuracy printed is that rung's, fitted alone, every configuration
 # left out; once both fp32 rungs are, the pooled fit's.
 #
-# `bash scripts/cpu_rung.sh MODEL [fp32] --dry-run` prints every cell, each checked by `bench.run --dry-run`;
+# `bash scripts/cpu_rung.sh MODEL [fp32] torch` runs the same design for the plain-PyTorch reference (framework=torch:
+# DDP, ZeroRedundancyOptimizer, FSDP2; adapters/reference/memory.py) as a rung of its own (llama-base-fp32-torch),
+# measured at its own commit beside the three frameworks' rung, and fitted on its own.
+#
+# `bash scripts/cpu_rung.sh MODEL [fp32] [torch] --dry-run` prints every cell, each checked by `bench.run --dry-run`;
 # nothing runs.
 set -euo pipefail
 scripts=$(cd "$(dirname "$0")" && pwd)
@@ -51,20 +55,22 @@ source "$scripts/curated_tree.sh"
 dry=0
 model=""
 precision=""
+frameworks=dschat,colossalai,trlx
 for arg in "$@"; do
   case $arg in
     --dry-run) dry=1 ;;
+    torch) frameworks=torch ;;
     llama-base|glm-base) [ -z "$model" ] || { echo "cpu_rung.sh: one model, not $model and $arg" >&2; exit 2; }
                          model=$arg ;;
     bf16|fp32) [ -z "$precision" ] || { echo "cpu_rung.sh: one precision, not $precision and $arg" >&2; exit 2; }
                precision=$arg ;;
     *) echo "cpu_rung.sh: unknown argument $arg; allowed: llama-base or glm-base (the rung's model), bf16" \
-         "(the default) or fp32 (the rung's precision), --dry-run (settings are environment variables: COMMIT," \
-         "PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
+         "(the default) or fp32 (the rung's precision), torch (the reference's rung), --dry-run (settings are" \
+         "environment variables: COMMIT, PYTHON, NEW_HOST, SLOW_BF16)" >&2; exit 2 ;;
   esac
 done
 precision=${precision:-bf16}
-suffix=$([ "$precision" = bf16 ] || echo "-$precision")
+suffix=$([ "$precision" = bf16 ] || echo "-$precision")$([ "$frameworks" != torch ] || echo "-torch")
 [ -n "$model" ] || { echo "cpu_rung.sh: name the rung's model: llama-base or glm-base" >&2; exit 2; }
 full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
   echo "cpu_rung.sh: COMMIT=${COMMIT:-HEAD} is not a commit of this repository" >&2; exit 2; }
@@ -78,12 +84,12 @@ esac
 name=$rung-$commit
 dir=results/sweeps/$name
 cells=(
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=2"
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=0 batch=4"
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=2"
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=3 lora=0 batch=4"
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=2"
-  "framework=dschat,colossalai,trlx stage=sft,rm,ppo zero=2 lora=64 batch=4"
+  "framework=$frameworks stage=sft,rm,ppo zero=2 lora=0 batch=2"
+  "framework=$frameworks stage=sft,rm,ppo zero=2 lora=0 batch=4"
+  "framework=$frameworks stage=sft,rm,ppo zero=3 lora=0 batch=2"
+  "framework=$frameworks stage=sft,rm,ppo zero=3 lora=0 batch=4"
+  "framework=$frameworks stage=sft,rm,ppo zero=2 lora=64 batch=2"
+  "framework=$frameworks stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
 common=(model=$model launcher.nproc=2 precision=$precision prompt_len=128 answer_len=128 steps=4 warmup_steps=1
         stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=10800 sweep_name="$name")
