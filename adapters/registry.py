@@ -44,6 +44,7 @@ _ENTRIES: dict[str, AdapterEntry] = {
     ),
     "torch": AdapterEntry(  # the plain-PyTorch reference, the yardstick (package `reference`: not `torch`)
         options="adapters.reference.options:ReferenceOptions",
+        memory="adapters.reference.memory:predict",
         adapter="adapters.reference.adapter:ReferenceAdapter",
     ),
 }

@@ -19,9 +19,12 @@ from bench.plan.calibrate import _records, refit
 REPO = Path(__file__).resolve().parents[1]
 GPT2_LADDER = "results/examples/glm-base"
 FP32_RUNG = "results/examples/llama-base-fp32"
-FRAMEWORKS = ("dschat", "colossalai", "trlx")
-# each framework's fits: (the setting's mmap threshold, a root it must name)
-SETTINGS = ((None, GPT2_LADDER), (131072, FP32_RUNG))
+REFERENCE_RUNG = "results/examples/llama-base-fp32-torch"
+FRAMEWORKS = ("dschat", "colossalai", "trlx", "torch")
+# every stored fit: (framework, the setting's mmap threshold, a root it must name); the plain-PyTorch reference
+# has its own fp32 rung only
+FITS = tuple((f, t, root) for t, root in ((None, GPT2_LADDER), (131072, FP32_RUNG))
+             for f in ("dschat", "colossalai", "trlx")) + (("torch", 131072, REFERENCE_RUNG),)
 
 
 def _sources(stored: calibration.Calibration) -> list[str]:
@@ -34,13 +37,13 @@ def stored() -> dict[tuple[str, int | None], calibration.Calibration]:
     for framework in FRAMEWORKS:
         fits = calibration.load_all(registry.package(framework))
         thresholds = [cal.setting.mmap_threshold for cal in fits]
-        assert sorted(thresholds, key=str) == sorted((t for t, _ in SETTINGS), key=str), f"{framework}: {thresholds}"
+        expected = [t for f, t, _ in FITS if f == framework]
+        assert sorted(thresholds, key=str) == sorted(expected, key=str), f"{framework}: {thresholds}"
         out.update({(framework, cal.setting.mmap_threshold): cal for cal in fits})
     return out
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("threshold, root", SETTINGS)
+@pytest.mark.parametrize("framework, threshold, root", FITS)
 def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, framework, threshold, root):
     cal = stored[(framework, threshold)]
     roots = _sources(cal)
@@ -90,9 +93,8 @@ def _selected(config: dict[str, Any], selection: dict[str, Any]) -> bool:
     return True
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
-@pytest.mark.parametrize("threshold, precision", [(None, "bf16"), (131072, "fp32")])
-def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored, framework, threshold, precision):
+@pytest.mark.parametrize("framework, threshold, root", FITS)
+def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored, framework, threshold, root):
     """Read a second way: every curated record.json of the framework under the fit's sources that its selection
     names, rank 0's post-import baseline of each successful stage, their median; a run of a setting no fit was
     measured under takes the first fit's, said so; on a device with no records the runtime is not counted."""
@@ -115,7 +117,7 @@ def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored
                 if stage["status"] == "ok":
                     baselines.append(stage["memory"]["baseline_bytes_per_rank"][0])
     assert len(baselines) >= 10
-    overrides = [f"framework={framework}", f"precision={precision}"]
+    overrides = [f"framework={framework}", f"precision={'bf16' if threshold is None else 'fp32'}"]
     fixed = "null" if threshold is None else threshold
     spec = spec_from_config(compose([*overrides, f"memory_mmap_threshold={fixed}"]))
     runtime, source = runtime_bytes(spec, "cpu")
@@ -123,7 +125,7 @@ def test_preflight_s_runtime_is_the_median_baseline_of_the_fitted_records(stored
     assert 300 * 2**20 < runtime < 500 * 2**20 and "median post-import baseline" in source
     assert "measured under" not in source
     elsewhere = spec_from_config(compose([*overrides, "memory_mmap_threshold=4194304"]))
-    pooled = stored[(framework, None)]
+    pooled = stored[next((f, t) for f, t, _ in FITS if f == framework)]  # the framework's first fit
     assert runtime_bytes(elsewhere, "cpu")[0] == pooled.runtime_bytes
     assert f"measured under {pooled.setting.describe()}" in runtime_bytes(elsewhere, "cpu")[1]
     assert runtime_bytes(spec, "cuda") == (0.0, f"not counted: no {framework} records on cuda to measure it from")

@@ -236,3 +236,122 @@ def test_zero3_gradient_partition_stays_through_every_phase():
     # at ZeRO-0 trlx's kept terms are DDP's buckets and autocast's copies, which live through an update only
     assert grads("trlx", "ppo", "zero=0")["generation"] == 0
     assert grads("dschat", "rm", "zero=3")["evaluation"] == 108_944_640
+
+
+LLAMA_FP32 = ["model=llama-base", "prompt_len=128", "answer_len=128", "batch=2", "launcher.nproc=2", "precision=fp32",
+              "memory_mmap_threshold=131072"]
+
+
+def reference_shape(stage: str, *overrides: str) -> RunShape:
+    spec = spec_from_config(compose(["framework=torch", f"stage={stage}", *LLAMA_FP32, *overrides]))
+    return RunShape.from_spec(spec, stage)
+
+
+def test_the_reference_s_lora_counts_by_hand():
+    """peft r=64 on llama-base's seven block maps: q and o 64 x (768 + 768), k and v 64 x (768 + 256) (4 kv heads
+    of 64), gate, up and down 64 x (768 + 2048): 868,352 a block, 10,420,224 over 12; the value head (768, no
+    bias) trains beside them."""
+    from adapters.reference import memory as reference
+
+    s = reference_shape("ppo", "lora=64", "zero=2")
+    assert reference.role_params(s, "actor", 64) == (124_668_672 + 10_420_224, 10_420_224)
+    assert reference.role_params(s, "critic", 64) == (100_092_672 + 768 + 10_420_224, 10_420_992)
+    assert reference.role_params(s, "reward", 0) == (100_093_440, 100_093_440)
+
+
+@pytest.mark.parametrize("zero, params, optimizer, buffers", [
+    # llama-base's 124,668,672 parameters P in fp32 on 2 ranks, after the first step
+    (0, 4, 8, 4),      # DDP: whole weights and moments, the reducer's fp32 buckets over every gradient
+    (1, 4, 4, 4),      # ZeroRedundancyOptimizer: the moments split
+    (2, 2, 4, 4),      # FSDP2: fp32 shards, the whole model gathered from forward to backward's end
+    (3, 2, 4, 4 * 61_738_752 / 124_668_672)])  # resharded: the root unit (2 x 24,576,000 + 768) and 2 blocks
+def test_the_reference_s_sft_state_per_layout_by_hand(zero, params, optimizer, buffers):
+    from adapters.reference import memory as reference
+
+    p = 124_668_672
+    training = reference.predict(reference_shape("sft", f"zero={zero}"))["training"]
+    assert training.params == params * p and training.optimizer == optimizer * p
+    assert training.buffers == pytest.approx(buffers * p)
+
+
+def test_the_reference_s_ppo_holds_frozen_roles_in_the_run_s_precision():
+    """Reference (the LM) and reward (backbone + value head) frozen: whole in fp32 at ZeRO-2, split at ZeRO-3;
+    the trained actor and critic as fp32 shards with their moments (8 B a parameter over 2 ranks)."""
+    from adapters.reference import memory as reference
+
+    actor, value = 124_668_672, 100_093_440
+    z2 = reference.predict(reference_shape("ppo", "zero=2"))["generation"]
+    assert z2.params == 4 * (actor + value) / 2 + 4 * (actor + value)
+    assert z2.optimizer == 8 * (actor + value) / 2
+    z3 = reference.predict(reference_shape("ppo", "zero=3"))["generation"]
+    assert z3.params == 4 * (actor + value) / 2 + 4 * (actor + value) / 2
+
+
+FSDP2_STATES = """
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+for reshard in (False, True):
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    for block in list(model)[:2]:
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    kinds = lambda: sorted({type(p).__name__ for p in model.parameters()})
+    with torch.no_grad():
+        model(torch.randn(2, 8))
+    after_scoring = kinds()
+    model(torch.randn(2, 8)).sum().backward()
+    print(reshard, after_scoring, kinds())
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_keeps_what_a_forward_without_autograd_gathered_until_the_next_backward():
+    """The reference's _held rule, read from FSDP2 itself: its registered parameters are plain tensors while
+    gathered and DTensors while sharded. Without resharding after the forward (the reference's ZeRO-2) a forward
+    under no_grad leaves every unit gathered, root and blocks, and the backward reshards them; with it (ZeRO-3)
+    nothing stays gathered after the forward."""
+    import os
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FSDP2_STATES], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["False ['Parameter'] ['DTensor']", "True ['DTensor'] ['DTensor']"]
+
+
+def test_the_reference_s_model_state_matches_its_engines_counters():
+    """Each run of the reference's curated fp32 rung: the bytes of parameters and optimizer state its engines
+    hold on rank 0 after the last step (the record's `model_state`, counted from the tensors themselves), summed
+    over the roles, against the memory model's weights and moments. RM reads them after its last scoring, which
+    at ZeRO-2 leaves the reward gathered whole beside its shards (4 B a parameter more: FSDP2's unsharded
+    parameters are what the counter sees then, with the trained ones' fp32 shards as their master copies)."""
+    import json
+    from pathlib import Path
+
+    from adapters.reference import memory as reference
+
+    rung = Path(__file__).resolve().parents[1] / "results/examples/llama-base-fp32-torch"
+    checked = 0
+    for path in sorted(rung.rglob("record.json")):
+        record = json.loads(path.read_text())
+        if record["status"] != "ok":
+            continue
+        config = record["config"]
+        spec = spec_from_config({**config, "init": {}})
+        ((stage, result),) = record["stages"].items()
+        counted = sum(role["param_bytes_per_rank"][0] + role["optimizer_state_bytes_per_rank"][0]
+                      for name, role in result["model_state"].items() if name != "method")
+        phases = reference.predict(RunShape.from_spec(spec, stage))
+        terms = phases["evaluation" if stage == "rm" else "generation" if stage == "ppo" else "training"]
+        modelled = terms.params + terms.optimizer
+        if stage == "rm" and spec.zero == 2:  # the counter then sees the unsharded weights, and as master copies
+            # the shards of the trained ones only: the frozen ones' shards (LoRA's base weights) are not in it
+            params, trainable = reference.role_params(RunShape.from_spec(spec, stage), "reward", spec.lora)
+            modelled += 4 * params - 4 * (params - trainable) / spec.data_parallel
+        assert counted == pytest.approx(modelled, abs=2**20), (path.parent.name, counted, modelled)
+        checked += 1
+    assert checked == 18

@@ -60,7 +60,7 @@ def test_the_mode_is_validated():
 
 
 def test_a_framework_without_a_memory_model_is_let_through():
-    spec = spec_from_config(compose(["framework=torch", "stage=sft", "preflight=on", "memory_budget_gb=0.01"]))
+    spec = spec_from_config(compose(["framework=trl", "stage=sft", "preflight=on", "memory_budget_gb=0.01"]))
     same, found = pf.preflight(spec, "on", "cpu")
     assert same is spec and "no memory model" in found["skipped"]
 
