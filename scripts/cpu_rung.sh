@@ -2,7 +2,8 @@
 # A CPU rung of the memory model: `bash scripts/cpu_rung.sh MODEL`, MODEL llama-base (124.7 M parameters; RMSNorm,
 # SwiGLU, rotary positions, an untied head) or glm-base (GPT-2-shaped with GLM's proportions, 108.9 M), on 2 ranks,
 # 128 prompt + 128 answer tokens, 4 steps with 1 warm-up step, seed 1: SFT, RM and PPO of DS-Chat, ColossalChat and
-# trlx (the frameworks with a memory model) in each of the calibration's regimes: full fine-tuning at ZeRO-2, LoRA
+# trlx (the engine frameworks with a memory model; `torch` below runs the reference's rung) in each of the
+# calibration's regimes: full fine-tuning at ZeRO-2, LoRA
 # 64 at ZeRO-2 and full fine-tuning at ZeRO-3, each with batch 2 and with batch 4 (two configurations of a regime,
 # so leaving one out leaves the other to fit on, and a pair the calibration's batch shares are fitted on; coati's
 # Gemini needs CUDA: its ZeRO-3 is `unsupported` in seconds). Both rungs have this one design, so the calibration
