@@ -144,19 +144,24 @@ def main(argv: list[str]) -> None:
     nn_module.register_module_full_backward_pre_hook(lambda m, grad: sampler.entered("backward", m))
     thread = threading.Thread(target=sampler.run, daemon=True)
     thread.start()
+
+    def begin(phase: str) -> None:
+        sampler.begin(phase)
+        run.beat(f"phase {phase!r} began")
+
     if run.stage == "ppo":
-        sampler.begin("generation")
+        begin("generation")
         rollout = run.adapter.generate(run.data.prompts(1))
-        sampler.begin("experience")
+        begin("experience")
         experience = run.adapter.make_experience(rollout)
-        sampler.begin("training")
+        begin("training")
         run.adapter.ppo_train([experience])
     else:
-        sampler.begin("training")
+        begin("training")
         run.step(1)
         if run.stage == "rm":
             gc.collect()
-            sampler.begin("evaluation")
+            begin("evaluation")
             for i in range(EVAL_BATCHES):
                 run.adapter.rm_scores(run.data.preferences(i, stage="eval"))
     sampler.phase = "done"

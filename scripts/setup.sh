@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
 
-# DeepSpeed JIT-compiles its C++ ops (shm_comm on every CPU init, FusedAdam, CPUAdam): g++ is required.
+# DeepSpeed JIT-compiles its C++ ops (shm_comm on every CPU init, FusedAdam, CPUAdam), built below into
+# .venv/torch_extensions (scripts/build_ops.py): g++ is required.
 # Debian's chromium renders the HTML report in the report test (SKIP_CHROMIUM=1 leaves it out; that test
 # is then skipped).
 apt_missing=()
@@ -56,6 +57,9 @@ if ! .venv/bin/python -c "import torch, deepspeed, transformers, colossalai, trl
   tail -n 20 "$log" >&2
   exit 1
 fi
+# The engines' JIT ops, built once here rather than inside the first run or test that loads them (each takes 1-2
+# minutes); an op that cannot build on this machine is reported and left to build at first use.
+.venv/bin/python scripts/build_ops.py
 .venv/bin/python - "$(( $(date +%s) - started ))" <<'EOF'
 import sys
 from importlib.metadata import version

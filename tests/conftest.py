@@ -8,12 +8,16 @@ from typing import Any
 
 import pytest
 
+from bench.run import jit_builds
 from bench.run.benchmark import run_benchmark
 from bench.run.config import compose
 from bench.run.spec import spec_from_config
 
 # Two ranks already fill both cores of the reference machine; more threads per rank only spin.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The JIT folder the launcher gives its ranks, for every other process a test starts (a script under torchrun, a
+# child that loads an op): none rebuilds what set-up or an earlier test built.
+jit_builds.use_cache_dir()
 
 
 @pytest.fixture(scope="session")

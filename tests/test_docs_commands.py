@@ -32,6 +32,7 @@ from doc_commands import REPO, Shown, extract, pages, shown_commands, usage_opti
 from bench.run.cli_checks import config_groups
 from bench.run.config import compose
 from bench.run.dry_run import check_cell, expand
+from tests.processes import run_tree
 
 PYTHON = sys.executable
 BIN = Path(PYTHON).parent
@@ -221,7 +222,7 @@ def execute(f: Form, timeout: float) -> tuple[int, str]:
             output = server.communicate(timeout=30)[0]
             if server.returncode not in (0, -signal.SIGTERM):
                 print(output)
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    done = run_tree(argv, timeout, check=False, cwd=REPO, env=env, text=True)
     return done.returncode, done.stdout + done.stderr
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from tests.loss_scale_rules import assert_scale_halves_only_on_skipped_steps
+from tests.processes import run_tree
 
 REPO = Path(__file__).resolve().parent.parent
 TORCH_ADAMW = "framework.optimizer=torch_adamw"
@@ -150,11 +150,8 @@ def test_ppo_default_config_raises_the_reward_over_30_steps(run_bench):
 
 
 def test_forced_divergence_is_recorded_with_its_step_and_exits_cleanly(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "stage=sft", "precision=fp16", "lr=1000", TORCH_ADAMW,
-         f"output_root={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_tree([sys.executable, "-m", "bench.run", "stage=sft", "precision=fp16", "lr=1000", TORCH_ADAMW,
+                     f"output_root={tmp_path}"], timeout=600, check=False, cwd=REPO, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     (record_path,) = tmp_path.glob("runs/*/record.json")
     record = json.loads(record_path.read_text())
@@ -313,11 +310,9 @@ def test_readme_command_prints_a_table_and_writes_a_record(tmp_path):
     """The README's first command as a newcomer runs it: its terminal holds the progress lines, the table and
     the closing lines, none of the engines' chatter (which the stage logs keep); PPO starts from the cached
     prerequisite SFT model and scores with the prerequisite RM."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.run", "framework=dschat", "zero=2", "precision=bf16",
-         f"output_root={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=900, env=dict(os.environ, COLUMNS="80"),
-    )
+    proc = run_tree([sys.executable, "-m", "bench.run", "framework=dschat", "zero=2", "precision=bf16",
+                     f"output_root={tmp_path}"], timeout=900, check=False, cwd=REPO, text=True,
+                    env=dict(os.environ, COLUMNS="80"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     terminal = proc.stdout + proc.stderr
     assert "peak" in proc.stdout and "MiB" in proc.stdout and "ppo: ok" in proc.stdout

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from bench.run import launcher
+from bench.run import jit_builds, launcher
 from bench.run.config import compose
 from bench.run.spec import spec_from_config
 
@@ -32,7 +32,7 @@ def test_a_jit_cache_the_user_set_is_kept(monkeypatch: pytest.MonkeyPatch, tmp_p
 
 def test_outside_a_virtual_environment_torch_s_default_applies(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sys, "prefix", sys.base_prefix)
-    assert launcher.jit_cache_dir() is None
+    assert jit_builds.cache_dir() is None
 
 
 @pytest.mark.parametrize("given, readable", [

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -13,6 +12,7 @@ import pytest
 from bench.plan import preflight as pf
 from bench.run.config import compose
 from bench.run.spec import SpecError, spec_from_config
+from tests.processes import run_tree
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GLM_BASE_SFT = ["framework=dschat", "stage=sft", "model=glm-base", "prompt_len=128", "answer_len=128", "zero=2",
@@ -67,9 +67,8 @@ def test_a_framework_without_a_memory_model_is_let_through():
 
 @pytest.mark.engine
 def test_cli_refuses_before_launch_and_keeps_a_record(tmp_path):
-    proc = subprocess.run([sys.executable, "-m", "bench.run", *GLM_BASE_SFT, "preflight=on", "memory_budget_gb=0.5",
-                           f"output_root={tmp_path}", "run_name=refused"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = run_tree([sys.executable, "-m", "bench.run", *GLM_BASE_SFT, "preflight=on", "memory_budget_gb=0.5",
+                     f"output_root={tmp_path}", "run_name=refused"], timeout=120, check=False, cwd=REPO, text=True)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "refused before launch" in proc.stdout
     record = json.loads((tmp_path / "runs" / "refused" / "record.json").read_text())
@@ -86,9 +85,9 @@ def test_cli_shrinks_and_runs_at_the_smaller_batch(tmp_path):
     at2 = pf.worst(spec_from_config(compose([*tiny, "batch=2"])), "cpu", 1.0, "").predicted_bytes
     assert at8 > at2
     budget = (at8 + at2) / 2 / pf.SAFETY / 2**30
-    proc = subprocess.run([sys.executable, "-m", "bench.run", *tiny, "batch=8", f"memory_budget_gb={budget}",
-                           "preflight=shrink", f"output_root={tmp_path}", "run_name=shrunk"], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = run_tree([sys.executable, "-m", "bench.run", *tiny, "batch=8", f"memory_budget_gb={budget}",
+                     "preflight=shrink", f"output_root={tmp_path}", "run_name=shrunk"], timeout=600, check=False,
+                    cwd=REPO, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     record = json.loads((tmp_path / "runs" / "shrunk" / "record.json").read_text())
     assert record["status"] == "ok"

@@ -20,7 +20,7 @@ import pytest
 
 from bench.run.launcher import RANK_EXIT_S, TORCHRUN_CLOSE_S, stall_failure
 from bench.run.watchdog import Stall, stalls
-from tests.processes import processes_mentioning
+from tests.processes import TreeFailed, processes_mentioning, run_tree
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -99,6 +99,42 @@ def test_an_orphaned_rank_that_ignores_sigterm_still_ends_within_its_grace(tmp_p
     (stall,) = stalls(str(tmp_path))
     assert f"still running 2 s after its parent (pid {parent.pid}) ended" in stall.reason
     assert "orphan_waits_here" in stall.text
+
+
+def test_a_process_a_test_starts_that_stalls_is_reported_with_its_last_progress_and_stacks():
+    # a diagnostic script's rank started outside the launcher (scripts/diagnostic_rank.py): its stall file goes
+    # to the folder run_tree gives it, and run_tree's failure carries the report
+    code = textwrap.dedent("""
+        import time
+        from bench.run import watchdog
+        dog = watchdog.RankWatchdog(watchdog.outside_stall_path("probe", 0), 0, 1.0)
+        dog.beat("phase 'training' began")
+        def stuck_in_training():
+            time.sleep(60)
+        stuck_in_training()
+    """)
+    with pytest.raises(TreeFailed) as failed:
+        run_tree([sys.executable, "-c", code], timeout=60, cwd=REPO)
+    assert not failed.value.timed_out and failed.value.returncode == 1
+    assert "no progress for launcher.stall_s=1 s since phase 'training' began" in str(failed.value)
+    assert "in stuck_in_training" in str(failed.value)
+
+
+def test_a_process_a_test_starts_that_outlives_its_timeout_dumps_its_stacks_before_the_kill():
+    code = textwrap.dedent("""
+        import faulthandler, signal, sys, time
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+        print("ready", file=sys.stderr, flush=True)
+        def waiting_forever():
+            time.sleep(600)
+        waiting_forever()
+    """)
+    started = time.monotonic()
+    with pytest.raises(TreeFailed) as failed:
+        run_tree([sys.executable, "-c", code], timeout=5, cwd=REPO)
+    assert failed.value.timed_out and time.monotonic() - started < 30
+    assert "still running after 5 s: killed" in str(failed.value)
+    assert "in waiting_forever" in str(failed.value)
 
 
 def test_a_stall_is_a_timeout_naming_the_ranks_and_the_log():

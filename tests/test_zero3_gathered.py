@@ -25,6 +25,10 @@ REPO = Path(__file__).resolve().parents[1]
 # DS-Chat's (1e4); q and o (16,384) pass DS-Chat's only; k and v (128 x 64 = 8,192), the norms (128), the
 # embedding and the untied head (256 x 128 = 32,768) pass neither's but the embedding's and head's pass DS-Chat's
 MODEL = ["model=tiny-llama", "model.intermediate=800", "precision=bf16", "zero=3"]
+# The engine runs are in fp32 (4 bytes an element): how long a bf16 step takes depends on the host's native bf16
+# support, and what is gathered does not depend on the width beyond its bytes
+ENGINE_RUN = [*MODEL, "precision=fp32", "launcher.stall_s=240"]
+FP32 = 4
 # elements gathered whole, worked from those sizes: DS-Chat a block 2 x 16,384 + 3 x 102,400 = 339,968
 DSCHAT_LM = 4 * 339_968 + 2 * 32_768  # 1,425,408: blocks, embedding, head
 DSCHAT_REWARD = 4 * 339_968 + 32_768  # 1,392,640: no LM head; the value head (128) stays whole
@@ -63,6 +67,10 @@ def test_memory_models_keep_the_traced_models_gathered_at_zero3_only():
     # DS-Chat's RM scoring keeps what its training step gathered, beside ZeRO-3's reduce bucket (on the host the
     # pages of one bf16 value per trained parameter: a block 356,608 with its norms, 4 blocks + embedding +
     # final norm + value head = 1,459,456); trlx's releases each module after use
+    # in fp32, what the engine runs below hold: 4 bytes an element
+    assert dschat.kept_gathered(shape("dschat", "sft", "precision=fp32"), "actor").buffers == FP32 * DSCHAT_LM
+    assert dschat.kept_gathered(shape("dschat", "rm", "precision=fp32"), "reward").buffers == FP32 * DSCHAT_REWARD
+    assert trlx.kept_gathered(shape("trlx", "rm", "precision=fp32")).buffers == FP32 * TRLX_MODEL
     at3, at2 = (dschat.predict(shape("dschat", "rm", f"zero={z}"))["evaluation"] for z in (3, 2))
     assert at3.buffers - at2.buffers == 2 * DSCHAT_REWARD + 2 * 1_459_456
     rm3 = trlx.predict(shape("trlx", "rm"))
@@ -75,19 +83,20 @@ def test_memory_models_keep_the_traced_models_gathered_at_zero3_only():
 
 @pytest.mark.engine
 @pytest.mark.parametrize("framework, stage, phases", [
-    ("dschat", "sft", {"training": 2 * DSCHAT_LM}),
-    ("dschat", "rm", {"training": 2 * DSCHAT_REWARD, "evaluation": 2 * DSCHAT_REWARD}),
-    ("trlx", "sft", {"training": 2 * TRLX_MODEL}),
-    ("trlx", "rm", {"training": 2 * TRLX_MODEL}),
+    ("dschat", "sft", {"training": FP32 * DSCHAT_LM}),
+    ("dschat", "rm", {"training": FP32 * DSCHAT_REWARD, "evaluation": FP32 * DSCHAT_REWARD}),
+    ("trlx", "sft", {"training": FP32 * TRLX_MODEL}),
+    ("trlx", "rm", {"training": FP32 * TRLX_MODEL}),
 ])
 def test_engines_keep_gathered_what_the_memory_model_says(tmp_path, framework, stage, phases):
     out = tmp_path / "peaks.json"
+    # the ranks' watchdog (launcher.stall_s above) reports a stall before the test's timeout would
     run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-              "scripts/peak_moment.py", f"framework={framework}", f"stage={stage}", *MODEL, f"--json={out}"],
+              "scripts/peak_moment.py", f"framework={framework}", f"stage={stage}", *ENGINE_RUN, f"--json={out}"],
              timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     peaks = json.loads(out.read_text())
     assert {phase: peaks[phase]["most_gathered"] for phase in phases} == phases
     if (framework, stage) == ("trlx", "rm"):
         # trlx's scoring runs outside the traced step: one module at a time, here one MLP matrix (no prefetch
         # of more on one rank), where its training step held the whole reward model
-        assert peaks["evaluation"]["most_gathered"] == 2 * 102_400
+        assert peaks["evaluation"]["most_gathered"] == FP32 * 102_400

@@ -31,6 +31,7 @@ from rich.console import Console
 
 from bench.measure.environment import MMAP_THRESHOLD_VARIABLE
 from bench.results.record import write_json
+from bench.run import jit_builds
 from bench.run.progress import StageDisplay, feed_path
 from bench.run.spec import RunSpec
 from bench.run.watchdog import STALL_FILE, Stall, stalls
@@ -72,9 +73,7 @@ def rank_env(spec: RunSpec) -> dict[str, str]:
     )
     if spec.memory_mmap_threshold is not None:
         env[MMAP_THRESHOLD_VARIABLE] = str(spec.memory_mmap_threshold)
-    jit_cache = jit_cache_dir()
-    if jit_cache is not None:
-        env.setdefault("TORCH_EXTENSIONS_DIR", jit_cache)
+    jit_builds.use_cache_dir(env)
     given = env.get("TORCH_CUDA_ARCH_LIST")
     readable = deepspeed_arch_list(given) if given is not None else None
     if readable is not None:
@@ -102,17 +101,6 @@ def deepspeed_arch_list(value: str) -> str | None:
         if entry not in readable:
             readable.append(entry)
     return ";".join(readable)
-
-
-def jit_cache_dir() -> str | None:
-    """Where the ranks' JIT-compiled ops (DeepSpeed's shm_comm, cpu_adam, fused_adam) are cached: inside this
-    virtual environment. torch's default, one folder per user, is shared by every checkout, and an op built
-    against one environment's headers is rebuilt (about 100 s) for the next: two checkouts used in turn
-    rebuilt each other's ops on every first run. None outside a writable virtual environment (the default
-    applies); a TORCH_EXTENSIONS_DIR the user set is kept."""
-    if sys.prefix == sys.base_prefix or not os.access(sys.prefix, os.W_OK):
-        return None
-    return os.path.join(sys.prefix, "torch_extensions")
 
 
 def sigkilled_ranks(log: str) -> list[int]:

@@ -10,6 +10,9 @@
   test's timeout, the OOM killer) would leave its ranks running. A rank asks the kernel for SIGTERM when its
   parent dies (PR_SET_PDEATHSIG), which the worker turns into a record of what it measured; a thread that sees
   the parent gone gives the rank ORPHAN_GRACE_S more, whatever it is blocked in.
+- Outside the launcher (a diagnostic script under torchrun, bench.run.watchdog's callers in scripts/) a rank
+  writes its stall file into $RLHF_BENCH_STALL_DIR, else the system's temporary folder: tests that start such a
+  process set the variable and report what they find there (tests/processes.py).
 - SIGUSR1 writes every thread's stack to stderr (the stage's worker.log) without stopping the rank: the launcher
   sends it before it kills a run that passed launcher.timeout_s.
 """
@@ -21,11 +24,13 @@ import glob
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 
 STALL_FILE = "stall-rank{rank}.txt"
+STALL_DIR_VARIABLE = "RLHF_BENCH_STALL_DIR"
 # faulthandler's first line when its timer fires (dump_traceback_later); a SIGUSR1 dump has no such line
 TIMER_FIRED = "Timeout ("
 ORPHAN_GRACE_S = 30.0  # a rank whose torchrun is gone writes its record in well under this
@@ -34,6 +39,12 @@ PARENT_POLL_S = 1.0
 
 def stall_path(stage_dir: str, rank: int) -> str:
     return os.path.join(stage_dir, STALL_FILE.format(rank=rank))
+
+
+def outside_stall_path(script: str, rank: int) -> str:
+    """The stall file of a rank started outside the launcher (module docstring), named by its script and pid."""
+    folder = os.environ.get(STALL_DIR_VARIABLE) or tempfile.gettempdir()
+    return os.path.join(folder, f"stall-{script}-pid{os.getpid()}-rank{rank}.txt")
 
 
 class RankWatchdog:

@@ -29,6 +29,7 @@ from bench.measure.memory import FLOOR_RULE
 from bench.measure.native_half import emulated_half
 from bench.measure.phases import PhaseTracker
 from bench.results.record import write_json
+from bench.run import jit_builds
 from bench.run.data import SyntheticData
 from bench.run.gather import NodeLink
 from bench.run.loop import StageLoop, StepObserver
@@ -155,7 +156,8 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
         if emulated and feed is not None:
             feed.note(emulated)
         tracker.on_phase = _phase_listener(feed, watchdog)
-        jit_ops.install(on_load=_jit_listener(feed, watchdog))
+        jit_ops.install(on_load=jit_listener(feed, watchdog))
+        jit_builds.install(on_wait=lock_listener(feed, watchdog))
         # The engine libraries, their JIT ops and process groups: memory every run of this framework pays
         # before it builds a model. Growth is measured from here, so frameworks compare on their own work.
         with tracker.phase("imports"):
@@ -247,7 +249,7 @@ def _phase_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) ->
     return started
 
 
-def _jit_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str], None]:
+def jit_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str], None]:
     def loading(name: str) -> None:
         if feed is not None:
             feed.jit_op(name)
@@ -255,6 +257,19 @@ def _jit_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> C
             watchdog.beat(f"JIT op {name} began loading")
 
     return loading
+
+
+def lock_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str, str], None]:
+    """A wait for another process's JIT build: shown, and the watchdog re-armed with the lock named, so a wait
+    that never ends is reported with the file it waits on."""
+    def waiting(lock: str, why: str) -> None:
+        note = jit_builds.waiting_note(lock, why)
+        if feed is not None:
+            feed.note(note)
+        if watchdog is not None:
+            watchdog.beat(note)
+
+    return waiting
 
 
 def main(argv: list[str] | None = None) -> int:
