@@ -174,3 +174,11 @@ def test_every_process_a_test_starts_uses_the_folder_the_launcher_gives_its_rank
     env: dict[str, str] = {"TORCH_EXTENSIONS_DIR": "/chosen"}
     jit_builds.use_cache_dir(env)  # a folder the user chose is kept
     assert env == {"TORCH_EXTENSIONS_DIR": "/chosen"}
+
+
+def test_set_up_s_op_builder_refuses_an_op_it_does_not_know_and_names_those_it_does():
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py"), "fused_adamw"],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip() == ("build_ops: unknown op(s) fused_adamw; the ops are deepspeed_shm_comm, fused_adam, "
+                                   "cpu_adam, colossalai_cpu_adam")

@@ -4,6 +4,7 @@ engine's own parameter states (`ds_status`) read by scripts/peak_moment.py in re
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import sys
@@ -33,6 +34,15 @@ FP32 = 4
 DSCHAT_LM = 4 * 339_968 + 2 * 32_768  # 1,425,408: blocks, embedding, head
 DSCHAT_REWARD = 4 * 339_968 + 32_768  # 1,392,640: no LM head; the value head (128) stays whole
 TRLX_MODEL = 4 * 3 * 102_400  # 1,228,800: the MLP matrices only, in the LM and in the reward model alike
+
+
+def jit_libraries() -> dict[str, float]:
+    """Every JIT-built library in the project's folder and in torch's per-user default, with its mtime."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    roots = {os.environ.get("TORCH_EXTENSIONS_DIR", ""), get_default_build_root()} - {""}
+    return {path: os.stat(path).st_mtime for root in roots for path in glob.glob(f"{glob.escape(root)}/**/*.so",
+                                                                                  recursive=True)}
 
 
 def shape(framework: str, stage: str, *overrides: str) -> RunShape:
@@ -90,11 +100,20 @@ def test_memory_models_keep_the_traced_models_gathered_at_zero3_only():
 ])
 def test_engines_keep_gathered_what_the_memory_model_says(tmp_path, framework, stage, phases):
     out = tmp_path / "peaks.json"
+    built = jit_libraries()
     # the ranks' watchdog (launcher.stall_s above) reports a stall before the test's timeout would
     run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
               "scripts/peak_moment.py", f"framework={framework}", f"stage={stage}", *ENGINE_RUN, f"--json={out}"],
              timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     peaks = json.loads(out.read_text())
+    # the script under torchrun found the ops set-up built, in the launcher's folder: none was rebuilt, and none
+    # was built in torch's per-user default (the CI failure: FusedAdam built again there, killed, its lock left)
+    after = jit_libraries()
+    assert {path: after.get(path) for path in built} == built
+    from torch.utils.cpp_extension import get_default_build_root
+
+    folder = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    assert not [path for path in set(after) - set(built) if not path.startswith(folder + os.sep)]
     assert {phase: peaks[phase]["most_gathered"] for phase in phases} == phases
     if (framework, stage) == ("trlx", "rm"):
         # trlx's scoring runs outside the traced step: one module at a time, here one MLP matrix (no prefetch
