@@ -82,9 +82,11 @@ def main(argv: list[str]) -> int:
     workers = max(1, min(len(ops), os.cpu_count() or 1))
     print(f"setup: JIT ops into {os.environ.get(jit_builds.CACHE_VARIABLE, 'torch default folder')} "
           f"(a first build takes 1-2 min; {workers} at a time)", flush=True)
+    started = time.monotonic()
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for line in pool.map(one, ops):
             print(f"setup: JIT op {line}", flush=True)
+    print(f"setup: JIT ops done in {time.monotonic() - started:.0f} s", flush=True)
     return 0
 
 

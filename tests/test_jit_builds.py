@@ -4,6 +4,7 @@ with the system's compiler, behind a wrapper that makes the compile step last as
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -61,8 +62,13 @@ def _wait_for_the_build(folder: Path, proc: subprocess.Popen) -> None:
 
 
 def _kill(proc: subprocess.Popen) -> None:
-    """SIGKILL to the child's whole group (it, ninja, the compiler): a build killed midway."""
+    """SIGKILL to the child's group (it and ninja): a build killed midway. ninja starts each compile in a process
+    group of its own, so the compiler outlives a killed build, as it does after a Ctrl-C; the test ends it too."""
+    compilers = psutil.Process(proc.pid).children(recursive=True)
     os.killpg(proc.pid, signal.SIGKILL)
+    for child in compilers:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
     proc.communicate()
 
 
