@@ -109,8 +109,11 @@ def form(shown: Shown, tier: str, records: str, scratch: str) -> Form:
     if head != "python":
         raise AssertionError(f"{shown.where}: no runner for {shown.text!r}")
     if args[0] != "-m":
-        if args[0] == "scripts/gpu_check.py":
-            return Form([PYTHON, *args], "needs CUDA") if _cuda() else Form(None, "needs a CUDA device")
+        if args[0] in ("scripts/gpu_check.py", "scripts/gpu_plans.py"):
+            if _cuda():
+                return Form([PYTHON, *args], "needs CUDA")
+            return Form([PYTHON, args[0], "--dry-run"], "its dry run: the commands printed (the runs need a CUDA "
+                        "device)")
         raise AssertionError(f"{shown.where}: no runner for the script in {shown.text!r}")
     module, rest = args[1], args[2:]
     if module == "pytest":  # a test tier: collecting it checks its marker expression and every test module

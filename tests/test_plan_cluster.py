@@ -63,12 +63,13 @@ def test_resident_bytes_by_hand():
     lora = resident(Role("actor", GLM_10B, lora=8), Layout(dp=8, zero=2), Workload(lora=8))
     assert lora.lora == GLM_10B.lora_params(8) * 3.75 and lora.optimizer == 0
     assert resident(Role("actor", GLM_10B, lora=8), Layout(), Workload(lora=8)).lora == GLM_10B.lora_params(8) * 16
-    # ZeRO-3 over 64 GPUs: LoRA (frozen weights 2 Psi / 64 + factors 16 / 64 each) stays far below full
-    # fine-tuning (16 Psi / 64), not above it
+    # ZeRO-3 over 64 GPUs: LoRA (frozen weights 2 Psi / 64 + factors 16 / 64 each + the bucket DeepSpeed
+    # allocates whole, 2 x 5e8) stays below full fine-tuning (16 Psi / 64 + the same bucket), not above it
     full = resident(actor, Layout(dp=64, zero=3), w)
     lora = resident(Role("actor", GLM_10B, lora=8), Layout(dp=64, zero=3), Workload(lora=8))
     assert lora.lora == pytest.approx(GLM_10B.lora_params(8) * 16 / 64)
-    assert lora.device < full.device / 4
+    assert lora.device == pytest.approx(2 * PSI / 64 + GLM_10B.lora_params(8) * 16 / 64 + 2 * 5e8)
+    assert full.device == pytest.approx(16 * PSI / 64 + 2 * 5e8) and lora.device < full.device / 2
 
 
 def test_training_terms_by_hand():
@@ -485,3 +486,51 @@ def test_trlx_hydra_layout_by_hand():
         Workload(hydra_layers=2, lora=8)
     with pytest.raises(ValueError, match="must be below the model's 48 blocks"):
         make_roles(GLM_10B, Workload(hydra_layers=48))
+
+
+def test_lora_plans_hold_deepspeeds_whole_reduce_buckets():
+    """DeepSpeed allocates its buckets whole whatever the trained values: a LoRA-8 critic of GLM-10B (no dense
+    parameter trains) holds ZeRO-3's 5e8-value bucket from its build, 2 x 5e8 = 1e9 bytes (0.93 GiB) in bf16,
+    and at ZeRO-2 two buckets under overlap_comm plus the flattened copy of its (tiny) trained values."""
+    w = Workload(micro_batch=1, prompt_len=512, answer_len=512, lora=8)
+    critic = Role("critic", GLM_10B, lora=8)
+    assert critic.dense_trainable == 0 and critic.lora_params > 0
+    assert resident(critic, Layout(dp=8, zero=3), w).buffers == 2 * 5e8
+    assert resident(critic, Layout(dp=8, zero=2), w).buffers == 0
+    assert training(critic, Layout(dp=8, zero=2), w).buffers == 2 * (2 * 5e8 + critic.lora_params)
+    assert training(critic, Layout(dp=8, zero=1), w).buffers == 0
+
+
+@pytest.mark.parametrize("args, said", [
+    (("top=abc",), "top='abc' must be an integer >= 1"),
+    (("top=-1",), "top=-1 must be an integer >= 1"),
+    (("model=glm-base",), "workload.prompt_len + workload.answer_len = 1024 exceeds the model's 512 positions"),
+    (("workload.lora=4096",), "workload.lora=4096 must be below the model's hidden size 4096"),
+    (("--check", "plan=conf/plan/example-8b.yaml", "workload.global_batch=63"),
+     "workload.global_batch=63 is not a whole number of micro-batches of 2 over the actor's 8 data-parallel ranks"),
+    (("--check", "plan=conf/plan/example-8b.yaml", "foo=1"), "unknown override keys ['foo']"),
+])
+def test_bad_planner_input_exits_2_naming_the_value_and_writes_nothing(tmp_path, args, said):
+    done = _cli(*args, f"out={tmp_path / 'plan.yaml'}") if args[0] != "--check" else _cli(*args)
+    assert done.returncode == 2 and said in done.stdout.replace("\n", " "), done.stdout
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_binary_plan_file_is_refused_by_name(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_bytes(b"\xff\xfe\x00model: glm-10b\n")
+    done = _cli("--check", f"plan={path}")
+    assert done.returncode == 2 and "is not UTF-8 text" in done.stdout, done.stdout
+
+
+def test_check_overrides_a_preset_model_s_field(tmp_path):
+    """`model.vocab=...` beside a plan naming a preset plans the changed preset (it was a TypeError)."""
+    done = _cli("--check", "plan=conf/plan/example-8b.yaml", "model.vocab=50000")
+    assert done.returncode in (0, 1) and "Traceback" not in done.stderr, done.stderr
+    assert "model.vocab=50000" in done.stdout.replace("\n", " ")
+
+
+def test_no_layout_for_the_batch_says_why():
+    done = _cli("cluster.nodes=100000", "top=1")
+    assert done.returncode == 1
+    assert "global_batch=64 prompts a step at micro-batch 1 over 800000 GPUs" in done.stdout.replace("\n", " ")

@@ -109,9 +109,10 @@ def test_a_command_line_that_contradicts_the_plan_is_refused(tmp_path, args, sai
 
 def test_workload_the_harness_cannot_run_and_uneven_batches_are_refused(tmp_path) -> None:
     with pytest.raises(UnsupportedError, match=r"workload.cache='mems' cannot be run: the harness's models decode "
-                                               r"with a KV cache; leave it at 'kv'"):
+                                               r"with a KV cache; allowed: 'kv'"):
         plan_run.expand([f"plan={_plan(tmp_path, workload={'cache': 'mems'})}"], "dschat")
-    with pytest.raises(UnsupportedError, match=r"workload.global_batch=6 must be a multiple of micro_batch x GPUs = 4"):
+    with pytest.raises(UnsupportedError, match=r"workload.global_batch=6 must be a multiple of micro_batch x "
+                       r"data-parallel ranks = 4"):
         plan_run.expand([f"plan={_plan(tmp_path, workload={'global_batch': 6})}"], "dschat")
     with pytest.raises(PlanError, match=r"plan='no-such-plan' is neither a file nor a plan in conf/plan "
                                         r"\(example-8b, glm-base-2-ranks\)"):

@@ -54,3 +54,24 @@ def test_a_file_without_its_fact_is_refused_by_name(tmp_path):
     assert facts.main(["--dir", str(tmp_path / "none")]) == 2
     path.write_text("fact: {framework: X: Y}\n")
     assert facts.main(["--dir", str(tmp_path)]) == 2  # not YAML: named, no traceback
+
+
+def test_a_published_figure_agrees_only_within_the_tolerance():
+    """A run that fits on both sides still disagrees when the planner's peak is more than 25 % off the published
+    per-GPU figure: 1,000 MiB published, 1,240 planned agrees (+24 %), 1,260 does not (+26 %), nor 740 (-26 %)."""
+    fact = facts.Fact("f", "X", "s", "https://x", "q", True, 1000.0, "max_memory_allocated", None)
+    mib = 2**20
+
+    def verdict(planned_mib: float) -> facts.Verdict:
+        return facts.Verdict(fact, "setting", True, planned_mib * mib, 80 * 2**30)
+
+    assert verdict(1240).agrees and not verdict(1260).agrees and not verdict(740).agrees
+    assert not facts.Verdict(fact, "setting", False, 1000 * mib, 500 * mib).agrees  # the verdict first
+
+
+def test_ds_chat_s_step_3_times_cite_the_examples_readme_and_its_opt_30b_40gb_row(verdicts):
+    table = [v for v in verdicts if "Table 1" in v.fact.source and v.fact.framework == "DS-Chat"]
+    assert table and all(v.fact.url.endswith("DeepSpeedExamples/blob/master/applications/DeepSpeed-Chat/README.md")
+                         for v in table)
+    row = next(v for v in verdicts if v.fact.name == "dschat-ppo-opt-30b-8xa100-40gb")
+    assert row.fact.quote == "8x A100 40G: OPT-30B, 1.85 days" and row.fact.fits and not row.fits

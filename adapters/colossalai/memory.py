@@ -28,6 +28,7 @@ from bench.plan.run_shape import (
     frozen_role,
     generation_cache,
     hf_loss_logits,
+    offloaded,
     role_state,
     step_transient,
     without_moments,
@@ -99,11 +100,12 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     # (master_weights=True, the plugin's default), so an fp32 run holds the shard twice; at ZeRO-0 only the 3d
     # plugin's AMP optimizer keeps one (mixed precision; fp32 runs TorchDDPPlugin's plain optimizer)
     master = shape.mixed or zero in (1, 2)
+    mp = shape.tp * shape.pp  # the 3d plugin's tensor and pipeline shards: each rank holds 1/(tp x pp) of a model
 
     def trained(role: str, lora: int) -> tuple[Terms, Terms, float]:
         params, trainable = role_params(shape, role, lora)
-        state = role_state(params, trainable, vb, zero, dp, master)
-        return state, _gradients(trainable, shape), params
+        state = offloaded(shape, role_state(params / mp, trainable / mp, vb, zero, dp, master))
+        return state, _gradients(trainable / mp, shape), params
 
     def before_first_step(state: Terms, trainable: float) -> Terms:
         """HybridAdam makes its moments at the first step; the master copy exists from boosting on."""
@@ -127,14 +129,15 @@ def predict(shape: RunShape) -> dict[str, Terms]:
 
     actor, actor_grads, _ = trained("actor", shape.lora)
     critic, critic_grads, _ = trained("critic", shape.lora)
-    frozen = total([frozen_role(shape, role, role_params(shape, role, 0)[0], vb) for role in ("ref", "reward")])
+    frozen = total([frozen_role(shape, role, role_params(shape, role, 0)[0] / mp, vb) for role in ("ref", "reward")])
     resident = actor + critic + frozen
     seq = shape.seq
     # the reward model is built last, whole in fp32, while the others are boosted already
     reward_params = role_params(shape, "reward", 0)[0]
-    init = (before_first_step(actor, role_params(shape, "actor", shape.lora)[1])
-            + before_first_step(critic, role_params(shape, "critic", shape.lora)[1])
-            + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0], vb) + build_transient(shape, reward_params))
+    init = (before_first_step(actor, role_params(shape, "actor", shape.lora)[1] / mp)
+            + before_first_step(critic, role_params(shape, "critic", shape.lora)[1] / mp)
+            + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0] / mp, vb)
+            + build_transient(shape, reward_params))
     # the critic's pass with the actor's gradients still alive (both step after it)
     inputs = _linear_inputs(shape)
     norms = not shape.lora  # coati's LoRA freezes every norm
@@ -145,7 +148,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     heavier = update if update.device >= actor_pass.device else actor_pass
     # grad_accum > 1: coati's counter steps after the last rollout's update, so the earlier ones' gradients stay
     # in the ZeRO grad store (the rank's partition at ZeRO-2, whole below) through the next rollouts
-    held = Terms(grads=sum(vb * role_params(shape, role, shape.lora)[1] / (dp if zero >= 2 else 1)
+    held = Terms(grads=sum(vb * role_params(shape, role, shape.lora)[1] / mp / (dp if zero >= 2 else 1)
                            for role in ("actor", "critic"))) if shape.grad_accum > 1 else Terms()
     return {
         "init": init,

@@ -31,6 +31,7 @@ from bench.plan.run_shape import (
     frozen_role,
     generation_cache,
     hf_loss_logits,
+    offloaded,
     role_state,
     step_transient,
 )
@@ -47,6 +48,8 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
         return params, params
     targets = shape.lora_targets or ALL_LORA_LAYERS
     added = arch.lora_params(lora, targets)
+    if shape.options.get("only_optimize_lora"):  # --only_optimize_lora: the factors alone train
+        return params + added, added
     return params + added, params + added - arch.block_weights(targets)
 
 
@@ -81,7 +84,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         """(state, gradients at the end of a backward (kept from step to step, made in each:
         gradient_terms), its engine's peak while built, what it holds after)."""
         params, trainable = role_params(shape, role, lora)
-        state = role_state(params, trainable, vb, zero, dp, master=True)
+        state = offloaded(shape, role_state(params, trainable, vb, zero, dp, master=True))
         eager = Terms(grads=eager_gradient_bytes(trainable, shape.precision, zero))
         buffers = resident_buffers(trainable, vb, zero, shape.device, shape.reduce_bucket)
         grads = gradient_terms(trainable, vb, zero, dp, shape.precision, shape.reduce_bucket)

@@ -17,11 +17,10 @@ over the whole rollout.
 
 from __future__ import annotations
 
+from adapters.accelerate_memory import accelerate_engine
 from adapters.deepspeed_memory import (
     PERSISTENCE_THRESHOLD,
     engine_build,
-    gradient_terms,
-    resident_buffers,
     zero3_kept_gathered,
 )
 from adapters.lora_targets import PEFT_DEFAULTS
@@ -36,7 +35,6 @@ from bench.plan.run_shape import (
     generation_cache,
     hf_loss_logits,
     quantized_weight_bytes,
-    role_state,
     step_transient,
 )
 
@@ -113,21 +111,6 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     return base + branch + value_head, trainable
 
 
-def _engine(shape: RunShape, params: float, trainable: float) -> tuple[Terms, Terms, Terms]:
-    """(state, gradients kept from step to step, gradients made in each step: run_shape.step_transient) of the
-    trained model: DDP with fp32 weights at ZeRO-0 (its reducer's buckets and autocast's copies kept, the fp32
-    gradients made), else DeepSpeed (deepspeed_memory.gradient_terms)."""
-    vb, zero, dp = shape.value_bytes, shape.zero, shape.data_parallel
-    if zero == 0:
-        state = role_state(params, trainable, 4, 0, dp, master=False)
-        autocast_copies = 2 * params if shape.mixed else 0.0
-        return state, Terms(buffers=4 * trainable + autocast_copies), Terms(grads=4 * trainable)
-    bucket = shape.reduce_bucket
-    state = role_state(params, trainable, vb, zero, dp, master=True) + resident_buffers(trainable, vb, zero,
-                                                                                         shape.device, bucket)
-    return (state, *gradient_terms(trainable, vb, zero, dp, shape.precision, bucket))
-
-
 def _quantized_branch(shape: RunShape, weight_bytes: int) -> Terms:
     """What reference.quant changes in the policy's state: the hydra branch's block weights (GPT-2: 12h^2 a
     block) in 8 or 4 bits instead of `weight_bytes` each; its LM head copy stays (adapters/quantize.py)."""
@@ -158,7 +141,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     fp32_logits = 4 / vb  # one fp32 [B, T, V] tensor in units of the compute dtype
     role = shape.stage
     params, trainable = role_params(shape, role, shape.lora)
-    state, kept_grads, made_grads = _engine(shape, params, trainable)
+    state, kept_grads, made_grads = accelerate_engine(shape, params, trainable)
     # built whole in fp32 on every rank (ZeRO-3 too: no zero.Init, see the fidelity table), then wrapped
     if shape.zero == 0:  # DDP's construction broadcasts every parameter (frozen ones too) through copies
         init = Terms(params=state.params, buffers=4 * params)

@@ -144,7 +144,7 @@ class TrlxOptions:
             if layouts[role].zero:
                 raise refuse("trlx", role, "zero", layouts[role].zero, "trlx keeps it outside DeepSpeed, whole on "
                              "every rank (zero: 0)")
-        knobs = uniform_knobs("trlx", layouts, "kept outside DeepSpeed")
+        knobs = uniform_knobs("trlx", layouts, None)
         return PlanKnobs(knobs.common, {**knobs.per_role, "critic": {"the policy's value head": "(the actor's)"}})
 
     @classmethod

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from bench.plan import plan_file
 from bench.plan.cluster import PHASES, ROLE_PHASES, ROLES, Cluster, Layout, Role, Workload, resident, role_phase
+from bench.plan.framework_cli import FRAMEWORK_CHOICES, all_main, framework_main
 from bench.plan.model_state import deepspeed_zero2_estimate, deepspeed_zero3_estimate, zero_paper_bytes
 from bench.plan.search import (
     GIB,
@@ -123,6 +124,12 @@ def _predicted(plan: Plan) -> dict[str, Any]:
 def _print_result(console: Console, result: SearchResult, workload: Workload, top: int) -> None:
     lora = f"LoRA {workload.lora}" if workload.lora else "full fine-tuning"
     lora = result.variant if "LoRA" in result.variant else f"{result.variant}, {lora}"
+    if not result.plans and not result.rejected:
+        console.print(f"[red]No plan fits[/red] ({lora}): no layout gives every data-parallel rank a whole number of "
+                      f"micro-batches: global_batch={workload.global_batch} prompts a step at micro-batch "
+                      f"{workload.micro_batch} over {result.gpus} GPUs (dp = GPUs / (tp x pp), tp inside a node, pp "
+                      "dividing the blocks); raise workload.global_batch or use fewer GPUs")
+        return
     if not result.plans:
         console.print(f"[red]No plan fits[/red] ({lora}). Why the layouts tried do not fit:")
         for plan in result.rejected:
@@ -142,12 +149,27 @@ def _print_result(console: Console, result: SearchResult, workload: Workload, to
             console.print(f"    {plan.placement}: {first}")
 
 
-def plan_main(config: dict[str, Any], console: Console) -> int:
-    name, arch, critic_arch, cluster, workload = plan_file.context(config)
+def plan_main(config: dict[str, Any], console: Console, args: list[str] | None = None) -> int:
+    top = config.get("top")
+    if isinstance(top, bool) or not isinstance(top, int) or top < 1:
+        console.print(f"[red]top={top!r} must be an integer >= 1 (the fitting plans printed per variant)[/red]")
+        return 2
+    framework = config.get("framework") or "any"
+    if framework not in FRAMEWORK_CHOICES:
+        console.print(f"[red]framework={framework!r} is not known; allowed: {', '.join(FRAMEWORK_CHOICES)}[/red]")
+        return 2
+    context = plan_file.context(config)
+    name, arch, critic_arch, cluster, workload = context
     problem = dtype_problem(cluster, workload)
     if problem:
         console.print(f"[red]{problem}[/red]")
         return 2
+    if framework == "all":
+        return all_main(config, args or [], context, console)
+    if framework != "any":
+        return framework_main(framework, config, args or [], context, console)
+    console.print("framework=any: the role-by-role search. Its layouts are execution plans for a custom system; "
+                  "no compared framework runs them as they stand (framework=X searches X's own space)")
     console.print(f"{name}: {arch.total_params / 1e9:.2f} B parameters per role; {cluster.nodes} node(s) x "
                   f"{cluster.gpus_per_node} {cluster.gpu} of "
                   f"{cluster.total_memory_bytes / GIB:.2f} GiB (torch's total_memory), limit "
@@ -159,7 +181,7 @@ def plan_main(config: dict[str, Any], console: Console) -> int:
     chosen: tuple[SearchResult, Plan] | None = None
     for result in results:
         w = replace(workload, lora=result.plans[0].roles["actor"].lora) if result.plans else workload
-        _print_result(console, result, w, int(config.get("top") or 3))
+        _print_result(console, result, w, top)
         if result.plans and chosen is None:
             chosen = (result, result.plans[0])
     if len(results) > 1:
@@ -213,15 +235,19 @@ def _fixed(layouts: dict[str, Layout], workload: Workload, fix: str, cluster: Cl
 
 
 def check_main(path: str, overrides: dict[str, Any], console: Console) -> int:
-    data = plan_file.read(path)
-    for key, value in overrides.items():
-        data[key] = {**(data.get(key) or {}), **value} if isinstance(value, dict) else value
+    data = plan_file.merged(plan_file.read(path), overrides)
     name, arch, critic_arch, cluster, workload = plan_file.context(data)
     problem = dtype_problem(cluster, workload)
     if problem:
         console.print(f"[red]{problem}[/red]")
         return 2
     layouts, groups = plan_file.layouts_of(data["execution_plan"], arch, critic_arch, cluster)
+    for role in ("actor", "critic"):
+        per_step = workload.micro_batch * layouts[role].dp
+        if workload.global_batch % per_step:
+            raise plan_file.PlanError(f"workload.global_batch={workload.global_batch} is not a whole number of "
+                                      f"micro-batches of {workload.micro_batch} over the {role}'s "
+                                      f"{layouts[role].dp} data-parallel ranks")
     roles = make_roles(arch, workload, critic_arch)
     plan = evaluate("as written", roles, layouts, groups, workload, cluster)
     console.print(breakdown_table(plan, workload, f"{path}: {name}, per GPU, GiB"))
@@ -323,12 +349,17 @@ def main(argv: list[str] | None = None) -> int:
         if plan_path:
             console.print("[red]plan=FILE is read only with --check[/red]")
             return 2
+        # `framework` is read here: to Hydra it would name a config group (conf/framework, the runs' frameworks)
+        chosen = [a.split("=", 1)[1] for a in overrides if a.startswith("framework=")]
+        overrides = [a for a in overrides if not a.startswith("framework=")]
         try:
             config = compose(overrides)
         except Exception as err:  # noqa: BLE001 - Hydra's own errors name the bad override
             console.print(f"[red]{err}[/red]")
             return 2
-        return plan_main(config, console)
+        if chosen:
+            config["framework"] = chosen[-1]
+        return plan_main(config, console, overrides)
     except plan_file.PlanError as err:
         console.print(f"[red]{err}[/red]")
         return 2

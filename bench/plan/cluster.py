@@ -295,6 +295,8 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
         per_factor = (vb / (dp if zero3 else 1) + vb / (dp if layout.zero >= 2 else 1)
                       + master / (dp if layout.zero >= 1 else 1))
         terms = terms + Terms(lora=role.lora_params * per_factor / shard)
+    if zero3:  # stage3.py allocates its reduce bucket whole at build and keeps it, whatever the trained values
+        terms = terms + Terms(buffers=vb * DEEPSPEED_BUCKET)  # (LoRA factors alone included)
     dense = role.dense_trainable
     if not dense:
         return terms
@@ -303,8 +305,6 @@ def resident(role: Role, layout: Layout, workload: Workload) -> Terms:
         terms = terms + Terms(host=states + OFFLOADED_GRADS * dense / shard / layout.dp)
     else:
         terms = terms + Terms(optimizer=states)
-    if zero3:  # stage3.py allocates its reduce bucket whole at build and keeps it, whatever the model's size
-        terms = terms + Terms(buffers=vb * DEEPSPEED_BUCKET)
     if zero3 and not layout.offload:  # and its gradient partition (grad_partitions_flat_buffer, zeroed at the
         terms = terms + Terms(grads=dense * vb / shard / layout.dp)  # build's end, kept: measured on the host)
     return terms
@@ -364,7 +364,9 @@ def training(role: Role, layout: Layout, workload: Workload) -> Terms:
     # holds the rank's gradients on their way there
     kept = layout.zero >= 3 and not layout.offload
     grads = 0.0 if kept else dense * vb / shard / (layout.dp if layout.zero >= 2 else 1)
-    bucket = zero2_reduce_bytes(dense / shard, vb, workload.overlap_comm) if layout.zero == 2 and dense else 0.0
+    # ZeRO-2's buckets are allocated whole for any trained values, LoRA factors alone too
+    trained = dense + role.lora_params
+    bucket = zero2_reduce_bytes(trained / shard, vb, workload.overlap_comm) if layout.zero == 2 and trained else 0.0
     logits = logits_bytes(arch, b, s, _logit_split(layout, workload), 1) * (vb + 8) if role.name == "actor" else 0.0
     return Terms(grads=grads, activations=activations, logits=logits,
                  buffers=bucket + _gathered(role, layout, workload))

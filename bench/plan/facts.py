@@ -26,6 +26,9 @@ from bench.plan.search import evaluate, make_roles
 FACTS_DIR = os.path.join(os.path.dirname(plan_file.CONF_MODEL_DIR), "facts")
 MIB = 2**20
 GIB = 2**30
+# a published per-GPU figure is matched when the planner's peak is within this share of it: a plan's peak that
+# far off would send a user to a different layout or GPU count
+FIGURE_TOLERANCE = 0.25
 
 
 @dataclass(frozen=True)
@@ -51,7 +54,8 @@ class Verdict:
 
     @property
     def agrees(self) -> bool:
-        return self.fits == self.fact.fits
+        """The verdict matches, and so does the figure where one was published (within FIGURE_TOLERANCE)."""
+        return self.fits == self.fact.fits and (self.error is None or abs(self.error) <= FIGURE_TOLERANCE)
 
     @property
     def error(self) -> float | None:
@@ -110,7 +114,10 @@ def _published(v: Verdict) -> str:
 
 def _planner(v: Verdict) -> str:
     text = f"{'fits' if v.fits else 'does not fit'}: {v.peak_bytes / GIB:.1f} of {v.limit_bytes / GIB:.1f} GiB"
-    return text + (f" ({v.error:+.0%})" if v.error is not None else "")
+    if v.error is None:
+        return text
+    within = "within" if abs(v.error) <= FIGURE_TOLERANCE else "outside"
+    return text + f" (figure error {v.error:+.0%}, {within} ±{FIGURE_TOLERANCE:.0%})"
 
 
 def markdown(verdicts: list[Verdict]) -> str:
@@ -122,8 +129,11 @@ def markdown(verdicts: list[Verdict]) -> str:
         lines.append(f"| `{v.fact.name}` | [{v.fact.source}]({v.fact.url}): \"{v.fact.quote}\" | {_published(v)} | "
                      f"{v.setting} | {_planner(v)} | {agrees} |")
     agreed = sum(v.agrees for v in verdicts)
+    figures = [v for v in verdicts if v.error is not None]
+    matched = sum(abs(v.error) <= FIGURE_TOLERANCE for v in figures)
     lines.append("")
-    lines.append(f"{agreed} of {len(verdicts)} verdicts agree.")
+    lines.append(f"{agreed} of {len(verdicts)} verdicts agree; of the {len(figures)} published per-GPU figures, "
+                 f"{matched} are within ±{FIGURE_TOLERANCE:.0%} of the planner's peak.")
     return "\n".join(lines) + "\n"
 
 

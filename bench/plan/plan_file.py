@@ -33,7 +33,7 @@ MODEL_KEYS = ("hidden", "layers", "heads", "vocab", "positions")
 ARCH_KEYS = {"arch": "family", "kv_heads": "kv_heads", "intermediate": "intermediate", "tie_embeddings": "tied"}
 ROLE_KEYS = ("stages", "tp", "pp", "dp", "zero", "requires_grad", "offload", "recompute", "group",
              "generation_tp")
-TOP_KEYS = ("model", "critic_model", "cluster", "workload", "placement", "predicted", "execution_plan")
+TOP_KEYS = ("model", "critic_model", "cluster", "workload", "placement", "predicted", "execution_plan", "framework")
 MAX_FILE_BYTES = 1 << 20
 CONF_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                               "conf", "model")
@@ -103,10 +103,39 @@ def context(config: dict[str, Any]) -> tuple[str, Any, Any, Cluster, Workload]:
     critic_arch = arch_of(critic, "critic_model")[1] if critic else arch
     cluster = cluster_of(config.get("cluster"))
     workload = workload_of(config.get("workload"))
+    if workload.prompt_len + workload.answer_len > arch.positions:
+        raise PlanError(f"workload.prompt_len + workload.answer_len = {workload.prompt_len + workload.answer_len} "
+                        f"exceeds the model's {arch.positions} positions")
+    for role, rank in (("lora", workload.lora), ("critic_lora", workload.critic_lora)):
+        if rank and rank >= arch.hidden:
+            raise PlanError(f"workload.{role}={rank} must be below the model's hidden size {arch.hidden} (a LoRA "
+                            "rank at or above it is no low-rank update)")
     if workload.hydra_layers >= arch.layers:
         raise PlanError(f"workload.hydra_layers={workload.hydra_layers} must be below the model's {arch.layers} "
                         "blocks (trlx's num_layers_unfrozen)")
     return name, arch, critic_arch, cluster, workload
+
+
+def merged(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """A plan file with command-line overrides (`--check plan=FILE KEY=VALUE`): a field of a preset model
+    (`model.vocab=...` on `model: glm-10b`) changes the preset's values; keys a plan does not have are refused."""
+    unknown = sorted(set(overrides) - set(TOP_KEYS))
+    if unknown:
+        raise PlanError(f"unknown override keys {unknown}; allowed beside --check: {', '.join(TOP_KEYS)}")
+    out = dict(data)
+    for key, value in overrides.items():
+        current = out.get(key)
+        if isinstance(value, dict):
+            if key in ("model", "critic_model") and isinstance(current, str):
+                arch_of(current, key)  # a known preset, or the error naming the allowed ones
+                with open(os.path.join(CONF_MODEL_DIR, f"{current}.yaml")) as f:
+                    current = {**yaml.safe_load(f), "name": current}
+            if current is not None and not isinstance(current, dict):
+                raise PlanError(f"{key}={current!r} in the plan has no fields to override ({sorted(value)})")
+            out[key] = {**(current or {}), **value}
+        else:
+            out[key] = value
+    return out
 
 
 def preset_or_mapping(model: Any) -> Any:
@@ -226,8 +255,10 @@ def read(path: str) -> dict[str, Any]:
     if os.path.getsize(path) > MAX_FILE_BYTES:
         raise PlanError(f"plan={path!r} is {os.path.getsize(path)} bytes; a plan file is at most {MAX_FILE_BYTES}")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = yaml.safe_load(f)
+    except UnicodeDecodeError as err:
+        raise PlanError(f"plan={path!r} is not UTF-8 text (byte {err.start}: {err.reason}); a plan is YAML") from None
     except yaml.YAMLError as err:
         raise PlanError(f"plan={path!r} is not valid YAML: {err}") from None
     if not isinstance(data, dict) or "execution_plan" not in data:

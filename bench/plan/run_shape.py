@@ -8,6 +8,7 @@ transient terms (activations, logits, caches, gradients, buckets) from the shape
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,6 +104,17 @@ def role_state(params: float, trainable: float, weight_bytes: int, zero: int, dp
                  optimizer=adam_bytes(trainable, master, dp if zero >= 1 else 1))
 
 
+def offloaded(shape: RunShape, state: Terms) -> Terms:
+    """A trained role's model state under ZeRO-Offload (offload=true) on a GPU: the optimizer states (fp32 master
+    and moments) in host memory, and at ZeRO-3 the weights' partitions too (DS-Chat's offload_param, Gemini's
+    auto placement). On a CPU host nothing moves: the host is the device the run measures."""
+    if not shape.offload or shape.device != "cuda":
+        return state
+    params = state.params if shape.zero < 3 else 0.0
+    return dataclasses.replace(state, optimizer=0.0, params=params,
+                               host=state.host + state.optimizer + state.params - params)
+
+
 def frozen_state(params: float, weight_bytes: int, shard: int = 1) -> Terms:
     return Terms(params=params * weight_bytes / shard)
 
@@ -190,9 +202,11 @@ def generation_cache(shape: RunShape, copies: int = 1) -> Terms:
 
 def build_transient(shape: RunShape, params: float) -> Terms:
     """A model built whole in fp32 (random initialisation or a checkpoint's load) before its engine casts it
-    to the compute dtype: the fp32 copy, plus the cast's new copy of the largest tensor."""
+    to the compute dtype: the fp32 copy, plus the cast's new copy of the largest tensor. On a GPU the model is
+    built on the host (from_pretrained) before the engine moves it: host memory of each rank, not the GPU's."""
     largest = shape.arch.largest_layer_params
-    return Terms(other=4 * params + (shape.value_bytes * largest if shape.mixed else 0))
+    built = 4 * params + (shape.value_bytes * largest if shape.mixed else 0)
+    return Terms(host=built) if shape.device == "cuda" else Terms(other=built)
 
 
 def without_moments(state: Terms, trainable: float, shard: int) -> Terms:

@@ -164,8 +164,8 @@ def layouts_for(role: Role, gpus: int, workload: Workload, cluster: Cluster, off
             if arch.layers % pp or gpus % (tp * pp):
                 continue
             dp = gpus // (tp * pp)
-            if dp * workload.micro_batch > workload.global_batch:
-                continue  # every replica needs at least one micro-batch of the step's prompts
+            if workload.global_batch % (dp * workload.micro_batch):
+                continue  # every replica takes a whole number of micro-batches of the step's prompts
             zeros = (0, 1, 2, 3) if role.trained else (0, 3)
             for zero in zeros:
                 for recompute in ((False, True) if role.trained else (False,)):
@@ -224,6 +224,7 @@ class SearchResult:
     seconds: float
     variant: str = "as asked"
     notes: list[str] = field(default_factory=list)
+    gpus: int = 0  # the cluster's GPUs the search laid the roles over
 
     @property
     def best(self) -> Plan | None:
@@ -289,7 +290,8 @@ def search(arch: Arch, workload: Workload, cluster: Cluster, offload: bool = Fal
                                      cluster))
     rejected += uniform_plans(roles, workload, cluster)
     plans.sort(key=lambda p: p.step_seconds)
-    return SearchResult(plans, [p for p in rejected if not p.fits], evaluated, time.perf_counter() - start, variant)
+    return SearchResult(plans, [p for p in rejected if not p.fits], evaluated, time.perf_counter() - start, variant,
+                        gpus=cluster.gpus)
 
 
 def _hydra_shards(combo: tuple[Option, ...], names: tuple[str, ...]) -> bool:
@@ -302,7 +304,7 @@ def uniform_plans(roles: dict[str, Role], workload: Workload, cluster: Cluster) 
     """The layouts a team tries first: every role data-parallel over all GPUs at one ZeRO stage."""
     out = []
     gpus = cluster.gpus
-    if gpus * workload.micro_batch > workload.global_batch:
+    if workload.global_batch % (gpus * workload.micro_batch):
         return out
     for zero in (0, 2, 3):
         layouts = {n: Layout(1, 1, gpus, zero if (roles[n].trained or zero == 3) and gpus > 1 else 0)

@@ -27,6 +27,7 @@ from bench.report import (
     render,
     soak,
     tables,
+    target,
     trl_vs_trlx,
     yardstick,
 )
@@ -48,6 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--allow-mixed-provenance", action="store_true",
                         help="let verdicts and leaves count cells whose runs differ in commit, dirty state, host "
                              "type, library versions or measurement settings (flagged either way)")
+    parser.add_argument("--target", help="planner keys of your model and GPUs (e.g. \"model=glm-10b "
+                        "cluster.gpus_per_node=8 cluster.gpu=A100-80GB\"): the decision tree gets a branch per "
+                        "framework predicted there, beside the measured ones")
     args = parser.parse_args(argv)
     console = Console(stderr=True)
     if not os.path.isdir(args.root):
@@ -56,6 +60,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.budget_gib is not None and args.budget_gib <= 0:
         console.print(f"[red]--budget-gib={args.budget_gib} must be > 0[/red]")
         return 2
+    predicted = None
+    if args.target is not None:
+        try:
+            predicted = target.branch(target.plan_target(args.target), target.fact_accuracy())
+        except target.TargetError as err:
+            console.print(f"[red]{err}[/red]")
+            return 2
     collection = collect(args.root, allow_mixed=args.allow_mixed_provenance)
     for problem in collection.problems:
         console.print(f"[yellow]skipped {problem.path}: {problem.reason}[/yellow]")
@@ -79,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         + [cells.cells_table(collection, out)],
         plots=plots.all_plots(collection.rows, collection.records, collection.cells, os.path.join(out, "plots"))
         + soak.soak_figure(collection.rows, collection.records, os.path.join(out, "plots")),
-        tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions),
+        tree=decision.build(collection.rows, budget, args.stage, args.include_harness_extensions, predicted),
         claims=claims.check_all(collection.rows, collection.records, collection.cells),
         caveat=claims.caveat(collection.rows, collection.records),
         generated_utc=utc_now(),

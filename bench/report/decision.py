@@ -236,12 +236,21 @@ def hardware(rows: list[dict[str, Any]]) -> tuple[str, str]:
     return f"device {', '.join(devices)} on {'; '.join(hosts)}; memory: {memory}", ranks
 
 
+def rests_on(rows: list[dict[str, Any]]) -> str:
+    """What a measured leaf rests on: its runs, their host types and commits."""
+    hosts = sorted({r.get("host_type") or "unknown host" for r in rows})
+    commits = sorted({(r.get("git_commit") or "unknown")[:10] for r in rows})
+    return f"rests on: measured: {len(rows)} run(s) on {'; '.join(hosts)}, commit(s) {', '.join(commits)}"
+
+
 def decision_stage(rows: list[dict[str, Any]]) -> str | None:
     return next((s for s in STAGE_PREFERENCE if any(r["stage"] == s for r in rows)), None)
 
 
 def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: str | None = None,
-          include_extensions: bool = False) -> Node:
+          include_extensions: bool = False, predicted: tuple[str, Node] | None = None) -> Node:
+    """The measured tree; `predicted`: a branch for the user's target (bench.report.target), put beside the
+    measured models."""
     stage = stage or decision_stage(rows)
     frameworks = sorted({r["framework"] for r in rows})
     rows = [r for r in rows if r["stage"] == stage and not is_forced_failure(r)]
@@ -271,10 +280,15 @@ def build(rows: list[dict[str, Any]], budget_bytes: float | None = None, stage: 
                     if mode == "partial" and not chosen:
                         continue  # only shown where a framework trains part of the model
                     elsewhere = measured_here - {r["framework"] for r in chosen}
-                    tune_node.branches.append((answer, leaf(chosen, budget_bytes, frameworks, mode, elsewhere)))
+                    found = leaf(chosen, budget_bytes, frameworks, mode, elsewhere)
+                    if chosen:
+                        found.evidence.append(rests_on(chosen))
+                    tune_node.branches.append((answer, found))
                 precision_node.branches.append((precision, tune_node))
             ranks_node.branches.append((str(nproc), precision_node))
         root.branches.append((model, ranks_node))
+    if predicted is not None:
+        root.branches.append(predicted)
     return root
 
 

@@ -60,5 +60,29 @@ def plan_entry(path: str, framework: str, record: ResultRecord) -> dict[str, Any
         planned = group.phases[phase].device
         per_phase.append({"phase": recorded, "planned_bytes": round(planned), "measured_growth_bytes": measured,
                           "error": _error(planned, measured)})
-    return {"file": run.path, "document": document, "overrides": run.overrides, "method": METHOD,
-            "roles": per_role, "phases": per_phase}
+    entry = {"file": run.path, "document": document, "overrides": run.overrides, "method": METHOD,
+             "roles": per_role, "phases": per_phase}
+    written_for = document.get("framework") or {}
+    if isinstance(written_for, dict) and written_for.get("name") == framework:
+        entry["framework_phases"] = framework_phases(document, stage)
+    return entry
+
+
+FRAMEWORK_METHOD = ("planned: the framework's own memory model (adapters/<framework>/memory.py), which wrote the plan "
+                    "(`bench.plan framework=X`), for this run on its own device, physics without calibration (the "
+                    "plan file's figures are the same model on a GPU); measured: each phase's growth over the "
+                    "post-import baseline (max over ranks); error = (planned - measured) / measured")
+
+
+def framework_phases(document: dict[str, Any], stage: Any) -> dict[str, Any]:
+    """Per phase of a plan `bench.plan framework=X` wrote, run by X: X's model for this run beside the growth."""
+    memory = (stage.memory if stage else None) or {}
+    predicted = (memory.get("prediction") or {}).get("phases") or {}
+    measured = memory.get("phases") or {}
+    gpu = (document.get("predicted") or {}).get("phase_gib_per_gpu") or {}
+    rows = []
+    for phase, entry in predicted.items():
+        grown = (measured.get(phase) or {}).get("growth_over_baseline_bytes")
+        rows.append({"phase": phase, "planned_bytes": entry["physics_total_bytes"], "measured_growth_bytes": grown,
+                     "error": _error(entry["physics_total_bytes"], grown), "planned_gib_per_gpu": gpu.get(phase)})
+    return {"method": FRAMEWORK_METHOD, "phases": rows}

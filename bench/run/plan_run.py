@@ -89,18 +89,45 @@ def data_parallel_only(framework: str, layouts: dict[str, Layout], why: str) -> 
                          "the harness runs no tensor-parallel generation for it")
 
 
-def _workload_overrides(workload: Workload, world: int) -> list[str]:
+def declared_behaviours(framework: str, arch: Any, world: int, gpus_per_node: int, lora: int) -> dict[str, set]:
+    """Per workload switch, the values the framework's declared behaviours give it over its layout space
+    (adapters/<framework>/plan_space.py): what a plan written for it may carry."""
+    from adapters import registry
+
+    space = registry.plan_space(framework)
+    found: dict[str, set] = {}
+    for point in space.points(arch, world, gpus_per_node, lora):
+        for key, value in space.behaviours(point, arch, lora).items():
+            found.setdefault(key, set()).add(value)
+    return found
+
+
+def _workload_overrides(workload: Workload, dp: int, declared: dict[str, set]) -> list[str]:
+    """The run's workload keys; the global batch is split over the `dp` data-parallel ranks (tensor-parallel
+    ranks share their micro-batch)."""
     defaults = Workload()
     for f in fields(Workload):
-        if f.name in NOT_RUN and getattr(workload, f.name) != getattr(defaults, f.name):
-            raise UnsupportedError(f"plan: workload.{f.name}={getattr(workload, f.name)!r} cannot be run: "
-                                   f"{NOT_RUN[f.name]}; leave it at {getattr(defaults, f.name)!r}")
-    per_step = workload.micro_batch * world
+        value = getattr(workload, f.name)
+        if f.name in NOT_RUN and value != getattr(defaults, f.name) and value not in declared.get(f.name, ()):
+            allowed = sorted({getattr(defaults, f.name), *declared.get(f.name, ())}, key=str)
+            raise UnsupportedError(f"plan: workload.{f.name}={value!r} cannot be run: {NOT_RUN[f.name]}; allowed: "
+                                   f"{', '.join(map(repr, allowed))} (the planner's default, or what the framework "
+                                   "does: its plan_space.py)")
+    per_step = workload.micro_batch * dp
     if workload.global_batch % per_step:
         raise UnsupportedError(f"plan: workload.global_batch={workload.global_batch} must be a multiple of "
-                               f"micro_batch x GPUs = {per_step} (gradient accumulation in whole micro-batches)")
+                               f"micro_batch x data-parallel ranks = {per_step} (gradient accumulation in whole "
+                               "micro-batches)")
     return [f"{RUN_WORKLOAD[k]}={getattr(workload, k)}" for k in RUN_WORKLOAD] + [
         f"grad_accum={workload.global_batch // per_step}"]
+
+
+def behaviour_knobs(framework: str, workload: Workload) -> list[str]:
+    """Run knobs a plan's declared behaviour asks for: DS-Chat's LoRA training the factors alone is its
+    --only_optimize_lora."""
+    if framework == "dschat" and workload.lora and workload.lora_trains == "factors":
+        return ["framework.only_optimize_lora=true"]
+    return []
 
 
 def planned_run(path: str, framework: str) -> PlannedRun:
@@ -122,8 +149,11 @@ def planned_run(path: str, framework: str) -> PlannedRun:
         raise refuse(framework, role, "group", "+".join(groups[1]), "every framework here places every role on "
                      "every GPU (no role on GPUs of its own)")
     knobs = registry.options_class(framework).plan_knobs(layouts)
+    declared = declared_behaviours(framework, arch, cluster.gpus, cluster.gpus_per_node, workload.lora)
+    workload_keys = _workload_overrides(workload, layouts["actor"].dp, declared)
     overrides = [f"model={name}", "stage=ppo", f"launcher.nnodes={cluster.nodes}",
-                 f"launcher.nproc={cluster.gpus_per_node}", *_workload_overrides(workload, cluster.gpus)]
+                 f"launcher.nproc={cluster.gpus_per_node}", *workload_keys,
+                 *behaviour_knobs(framework, workload)]
     overrides += [f"{k}={_text(v)}" for k, v in knobs.common.items()]
     roles = [RoleKnobs(role, layouts[role].notation, knobs.per_role.get(role, {})) for role in ROLES]
     return PlannedRun(os.path.abspath(path), document, overrides, roles)
@@ -143,13 +173,14 @@ class PlanKnobs:
     per_role: dict[str, dict[str, Any]]
 
 
-def uniform_knobs(framework: str, layouts: dict[str, Layout], frozen_rule: str) -> PlanKnobs:
+def uniform_knobs(framework: str, layouts: dict[str, Layout], frozen_rule: str | None) -> PlanKnobs:
     """For a framework with one setting for every trained model (ColossalChat's plugin, trlx's and TRL's one
     accelerate/DeepSpeed config, the reference's FSDP2 mesh): actor and critic alike, reference and reward
-    following them into ZeRO-3 (else replicated)."""
+    following them into ZeRO-3 (else replicated); `frozen_rule` None: the caller has its own rule for them."""
     same_for(framework, layouts, ("actor", "critic"), ("tp", "pp", "zero", "offload", "recompute"),
              "one setting covers every trained model")
-    frozen_follow(framework, layouts, {"reference": "actor", "reward": "critic"}, frozen_rule)
+    if frozen_rule is not None:
+        frozen_follow(framework, layouts, {"reference": "actor", "reward": "critic"}, frozen_rule)
     actor = layouts["actor"]
     common = {"zero": actor.zero, "offload": actor.offload, "grad_ckpt": actor.recompute}
     if actor.tp > 1 or actor.pp > 1:
@@ -179,6 +210,10 @@ def expand(args: list[str], default_framework: str) -> list[str]:
         raise plan_file.PlanError(f"plan={value!r} is neither a file nor a plan in conf/plan ({', '.join(names)})")
     rest = [a for a in args if a not in given]
     frameworks = [a.split("=", 1)[1] for a in rest if a.startswith("framework=")]
+    written_for = plan_file.read(path).get("framework")  # a plan `bench.plan framework=X` wrote names X
+    if not frameworks and isinstance(written_for, dict) and written_for.get("name"):
+        frameworks = [str(written_for["name"])]
+        rest = [*rest, f"framework={frameworks[0]}"]
     framework = frameworks[-1] if frameworks else default_framework
     if "," in framework:
         raise plan_file.PlanError(f"framework={framework}: plan=FILE runs one framework at a time (each expresses "

@@ -661,9 +661,11 @@ def _targets(value: Any) -> str | tuple[str, ...] | None:
     return tuple(value) if isinstance(value, Sequence) and not isinstance(value, str) else value
 
 
-def spec_from_config(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None) -> RunSpec:
+def spec_from_config(cfg: Mapping[str, Any], env: Mapping[str, str] | None = None, check: bool = True) -> RunSpec:
     """Build and validate a RunSpec from a resolved config mapping (the Hydra config as a dict); `env`: where a
-    node's place over several nodes is read (default this process's environment: SLURM_* under SLURM)."""
+    node's place over several nodes is read (default this process's environment: SLURM_* under SLURM); `check`
+    false builds it without the framework's option check and installed extras (the planner checks each layout it
+    tries, on a machine that need not have the framework)."""
     from adapters import registry
 
     framework = dict(cfg["framework"])
@@ -721,8 +723,9 @@ def spec_from_config(cfg: Mapping[str, Any], env: Mapping[str, str] | None = Non
         stability=StabilitySpec(**dict(cfg["stability"])),
     )
     registry.check_stages(name, spec.stages)
-    registry.options_class(name).validate(spec)
-    _require_extras(spec)
+    if check:
+        registry.options_class(name).validate(spec)
+        _require_extras(spec)
     return spec
 
 
