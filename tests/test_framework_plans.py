@@ -167,11 +167,13 @@ def test_a_plan_bench_plan_wrote_runs_in_its_framework(framework, tmp_path, run_
 
 GLM_BASE_PLAN = ("model=glm-base", "cluster.gpus_per_node=2", "cluster.gpu=A100-80GB", "workload.global_batch=4",
                  "workload.micro_batch=2", "workload.prompt_len=128", "workload.answer_len=128")
-PHASE_BAND = 0.30  # each phase's physics error on glm-base: DS-Chat -13 to -8 %, trlx -26 to +4 %, TRL -28 to +16 %,
-# the reference -14 to -3 %, ColossalChat's training -3 % and init -18 % (2 CPU ranks, bf16, one run each)
-# ColossalChat's model over-predicts the phases its inference models move in and out around (+44 to +60 %: the
-# measured growth there, 1.3-1.5 GiB, is below its own init's 1.8); pinned until it is explained
-KNOWN_OVER = {"colossalai": {"onload": 0.80, "generation": 0.80, "experience": 0.80, "offload": 0.80}}
+PHASE_BAND = 0.30  # each phase's physics error on glm-base, 2 CPU ranks, bf16, one run each: with the heap handed back
+# before every phase ColossalChat -16 to -3 %, trlx -28 to +4 %, TRL -29 to +16 %; at the default release DS-Chat
+# -13 to -8 %, the reference -14 to -3 %
+# Every run hands the freed heap back before each phase (memory_release_every=1), so every step's host peak is
+# recorded: without it a 2-step run records the phases after the first optimizer step as bounds only, and
+# ColossalChat's onload to experience (1.3-1.5 GiB, before HybridAdam makes its moments) stood 44-60 % under its
+# model, which counts the moments from the first step on
 
 
 @pytest.mark.slow  # 5 glm-base PPO runs with their RM prerequisites, 2-4.5 minutes each
@@ -182,11 +184,8 @@ def test_a_glm_base_plan_predicts_each_phase_of_its_run(framework, tmp_path, run
     out = tmp_path / "plan.yaml"
     done = _cli(*GLM_BASE_PLAN, f"framework={framework}", f"out={out}")
     assert done.returncode == 0, done.stdout + done.stderr
-    record = run_bench(*plan_run.expand([f"plan={out}", "steps=2", "warmup_steps=1", "stage_steps.rm=5"], "dschat"))
+    record = run_bench(*plan_run.expand([f"plan={out}", "steps=2", "warmup_steps=1", "stage_steps.rm=5",
+                                         "memory_release_every=1"], "dschat"))
     assert record["status"] == "ok", record["error"]
     for row in record["plan"]["framework_phases"]["phases"]:
-        over = KNOWN_OVER.get(framework, {}).get(row["phase"])
-        if over is not None:
-            assert 0 < row["error"] <= over, row
-        else:
-            assert abs(row["error"]) <= PHASE_BAND, row
+        assert abs(row["error"]) <= PHASE_BAND, row

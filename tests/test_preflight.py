@@ -59,8 +59,16 @@ def test_the_mode_is_validated():
         spec_from_config(compose(["preflight=maybe"]))
 
 
-def test_a_framework_without_a_memory_model_is_let_through():
+def test_trl_runs_are_checked_by_its_memory_model():
+    """TRL's SFT on the tiny model: its model's prediction (adapters/hf_trl/memory.py) against a 10 MiB budget."""
     spec = spec_from_config(compose(["framework=trl", "stage=sft", "preflight=on", "memory_budget_gb=0.01"]))
+    with pytest.raises(pf.PreflightRefusal, match=r"sft training is predicted to peak at"):
+        pf.preflight(spec, "on", "cpu")
+
+
+def test_a_framework_without_a_memory_model_is_let_through(monkeypatch):
+    spec = spec_from_config(compose(["framework=trl", "stage=sft", "preflight=on", "memory_budget_gb=0.01"]))
+    monkeypatch.setattr(pf, "predict_stage", lambda *a, **k: None)  # as a registry entry without `memory`
     same, found = pf.preflight(spec, "on", "cpu")
     assert same is spec and "no memory model" in found["skipped"]
 

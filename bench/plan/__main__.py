@@ -2,7 +2,11 @@
 plans that fit; `python -m bench.plan --check plan=FILE [KEY=VALUE ...]`: what in a hand-written plan would
 run out of memory, where, by how much, and what would fix it.
 
-Keys: conf/planner.yaml (model, critic_model, cluster.*, workload.*, top, out). Nothing is launched and no
+framework=any (default): the role-by-role search (layouts for a custom system); framework=dschat|colossalai|trlx|
+trl|torch: that framework's own layout space on its own memory model, with the commands that run its plans;
+framework=all: every framework side by side.
+
+Keys: conf/planner.yaml (framework, model, critic_model, cluster.*, workload.*, top, out). Nothing is launched and no
 framework is imported. Exit status: 0 a plan fits (or the checked plan fits), 1 none fits, 2 bad input.
 """
 
