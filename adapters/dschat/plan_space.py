@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.plan.cluster import ROLES, Layout
+from bench.plan.cluster import ROLES, Layout, Workload
 from bench.plan.framework_space import Axis, Context, FrameworkSpace, Point
 from bench.plan.physics import Arch
 
@@ -32,6 +32,11 @@ def roles(point: Point, gpus: int) -> dict[str, Layout]:
 def behaviours(point: Point, arch: Arch, lora: int) -> dict[str, Any]:
     return {"keep_experience_caches": True, "overlap_comm": True, "critic_lora": 0,
             "lora_trains": "factors" if point.get("framework.only_optimize_lora") else "unwrapped"}
+
+
+def knobs_for(workload: Workload) -> list[str]:
+    """A plan whose LoRA trains its factors alone runs with --only_optimize_lora."""
+    return ["framework.only_optimize_lora=true"] if workload.lora and workload.lora_trains == "factors" else []
 
 
 def command(point: Point, ctx: Context) -> str:
@@ -61,6 +66,7 @@ SPACE = FrameworkSpace(
     roles=roles,
     behaviours=behaviours,
     command=command,
+    knobs_for=knobs_for,
     declared_only=(
         ("--enable_hybrid_engine, --inference_tp_size", "the Hybrid Engine's generation layout: the harness's "
          "framework.hybrid_engine runs it at tp 1 on one process, and DS-Chat's memory model does not count it"),

@@ -62,7 +62,9 @@ class FrameworkSpace:
     - `declared_only`: upstream knobs of the layout space the search does not vary, each with why.
     - `describe`: a point in the framework's own words (default: its axes' flags).
     - `excluded`: why a combination of the axes' values is outside the space (at a LoRA rank), else None.
-      ZeRO-Offload without a ZeRO stage is outside every space."""
+      ZeRO-Offload without a ZeRO stage is outside every space.
+    - `knobs_for`: the run overrides a plan's workload (bench.plan.cluster.Workload) asks for through a behaviour
+      the framework sets with a knob (DS-Chat: LoRA training its factors alone is --only_optimize_lora)."""
 
     framework: str
     axes: tuple[Axis, ...]
@@ -74,6 +76,7 @@ class FrameworkSpace:
     declared_only: tuple[tuple[str, str], ...] = field(default_factory=tuple)
     describe: Callable[[Point, Context], str] | None = None
     excluded: Callable[[Point, int], str | None] | None = None  # why a point (at a LoRA rank) is not in the space
+    knobs_for: Callable[[Any], list[str]] | None = None  # run overrides a plan's workload behaviours ask for
 
     def points(self, arch: Arch, gpus: int, gpus_per_node: int, lora: int) -> Iterator[Point]:
         """Every point of the space for this model on `gpus` GPUs (tp inside a node dividing the query and

@@ -123,11 +123,11 @@ def _workload_overrides(workload: Workload, dp: int, declared: dict[str, set]) -
 
 
 def behaviour_knobs(framework: str, workload: Workload) -> list[str]:
-    """Run knobs a plan's declared behaviour asks for: DS-Chat's LoRA training the factors alone is its
-    --only_optimize_lora."""
-    if framework == "dschat" and workload.lora and workload.lora_trains == "factors":
-        return ["framework.only_optimize_lora=true"]
-    return []
+    """Run knobs a plan's declared behaviour asks for (the framework's plan_space.py `knobs_for`)."""
+    from adapters import registry
+
+    knobs_for = registry.plan_space(framework).knobs_for
+    return knobs_for(workload) if knobs_for else []
 
 
 def planned_run(path: str, framework: str) -> PlannedRun:
