@@ -8,7 +8,7 @@ it hands the model to DeepSpeed (adapters/deepspeed_memory.py), which keeps the 
 
 from __future__ import annotations
 
-from adapters.deepspeed_memory import gradient_terms, resident_buffers
+from adapters.deepspeed_memory import gradient_terms, offloaded_gradients, resident_buffers
 from bench.plan.physics import Terms
 from bench.plan.run_shape import RunShape, offloaded, role_state
 
@@ -25,4 +25,7 @@ def accelerate_engine(shape: RunShape, params: float, trainable: float) -> tuple
     bucket = shape.reduce_bucket
     state = offloaded(shape, role_state(params, trainable, vb, zero, dp, master=True)) + resident_buffers(
         trainable, vb, zero, shape.device, bucket)
-    return (state, *gradient_terms(trainable, vb, zero, dp, shape.precision, bucket))
+    grads = gradient_terms(trainable, vb, zero, dp, shape.precision, bucket)
+    if shape.offload and shape.device == "cuda":
+        grads = offloaded_gradients(*grads, trainable, vb, zero, bucket)
+    return (state, *grads)

@@ -64,6 +64,20 @@ def zero2_made_bytes(trainable: float, value_bytes: int, dp: int, bucket_element
     return 2 * bucket, zero2_step_bytes(trainable, value_bytes, dp)
 
 
+def offloaded_gradients(kept: Terms, made: Terms, trainable: float, value_bytes: int, zero: int,
+                        bucket_elements: int | None = None) -> tuple[Terms, Terms]:
+    """gradient_terms' (kept, made) under ZeRO-Offload on a GPU (offload_optimizer cpu): ZeRO-3's gradient
+    partition is allocated on the optimizer's device, the host (stage3.py: `self.device` is cpu when the optimizer
+    is offloaded), and ZeRO-1/2 copy each reduced bucket into the fp32 partition on the host
+    (stage_1_and_2.py's cpu_offload); the step's fp32 gradients are the host's too. The GPU keeps the reduce bucket
+    and its flattened copy at ZeRO-1/2 (ZeRO-3's bucket is resident_buffers')."""
+    moved = Terms(host=kept.device + kept.host + made.device)
+    if zero >= 3:
+        return moved, Terms()
+    bucket = value_bytes * min(trainable, bucket_elements or REDUCE_BUCKET_ELEMENTS)
+    return moved, Terms(buffers=2 * bucket)
+
+
 def held_gradient_bytes(trainable: float, value_bytes: int, zero: int, dp: int, precision: str) -> float:
     """What an engine keeps of the accumulated gradients between micro-batches (gradient_accumulation_steps
     > 1): ZeRO-2/3 the rank's partition in the model's dtype (measured, DS-Chat PPO at glm-base ZeRO-2 on 2

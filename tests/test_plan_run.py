@@ -196,3 +196,12 @@ def test_a_ds_chat_plan_with_roles_at_different_stages_runs_as_planned(tmp_path,
         assert abs(by_role[role]["error"]) <= 0.03, (role, by_role[role])
     assert [p["phase"] for p in plan["phases"]] == ["generation", "experience", "training"]
     assert all(p["measured_growth_bytes"] for p in plan["phases"])
+
+
+def test_a_critic_lora_rank_runs_where_the_framework_has_a_knob_for_it(tmp_path) -> None:
+    """DS-Chat's --critic_lora_dim expresses a plan's own critic rank; trlx has no such knob and refuses it."""
+    path = _plan(tmp_path, workload={"lora": 8, "critic_lora": 4})
+    assert "framework.critic_lora_dim=4" in plan_run.expand([f"plan={path}"], "dschat")
+    with pytest.raises(UnsupportedError, match=r"workload.critic_lora=4 cannot be run: the critic's LoRA rank is a "
+                                               r"framework knob"):
+        plan_run.expand([f"plan={path}"], "trlx")

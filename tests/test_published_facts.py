@@ -19,7 +19,7 @@ def verdicts() -> list[facts.Verdict]:
 
 def test_at_least_ten_sourced_facts_each_agreeing_or_saying_why_not(verdicts):
     assert len(verdicts) >= 10
-    assert {v.fact.framework for v in verdicts} >= {"DS-Chat", "ColossalChat"}
+    assert {v.fact.framework for v in verdicts} >= {"dschat", "colossalai"}
     assert any(not v.fact.fits for v in verdicts), "facts of runs that failed test the planner's 'does not fit'"
     for v in verdicts:
         assert v.fact.url.startswith("https://") and v.fact.quote and v.fact.source, v.fact.name
@@ -70,8 +70,32 @@ def test_a_published_figure_agrees_only_within_the_tolerance():
 
 
 def test_ds_chat_s_step_3_times_cite_the_examples_readme_and_its_opt_30b_40gb_row(verdicts):
-    table = [v for v in verdicts if "Table 1" in v.fact.source and v.fact.framework == "DS-Chat"]
+    table = [v for v in verdicts if "Table 1" in v.fact.source and v.fact.framework == "dschat"]
     assert table and all(v.fact.url.endswith("DeepSpeedExamples/blob/master/applications/DeepSpeed-Chat/README.md")
                          for v in table)
     row = next(v for v in verdicts if v.fact.name == "dschat-ppo-opt-30b-8xa100-40gb")
-    assert row.fact.quote == "8x A100 40G: OPT-30B, 1.85 days" and row.fact.fits and not row.fits
+    assert row.fact.quote == "8x A100 40G: OPT-30B, 1.85 days" and row.fact.fits
+
+
+def test_each_fact_is_planned_in_its_own_framework_s_flags(verdicts):
+    """The setting is the framework's own command line for the plan (its declaration's terms), and what the
+    declaration does not count is said: DS-Chat's ZeRO stages apart, ColossalChat's 3d plugin with its tp."""
+    by_name = {v.fact.name: v for v in verdicts}
+    assert "--actor_zero_stage 3" in by_name["dschat-ppo-opt-30b-8xa100-40gb"].setting
+    assert "(--inference_tp_size 2 not counted)" in by_name["dschat-ppo-opt-13b-8xa100-40gb"].setting
+    assert "--plugin 3d --tp 8" in by_name["coati-ppo-llama2-7b-tp8-bs01"].setting
+
+
+def test_a_fact_is_refused_when_its_framework_is_unknown_or_cannot_run_it(tmp_path):
+    source = os.path.join(facts.FACTS_DIR, "coati-ppo-llama2-7b-tp4-bs01.yaml")
+    with open(source) as f:
+        text = f.read()
+    unknown = tmp_path / "unknown.yaml"
+    unknown.write_text(text.replace("framework: colossalai", "framework: ColossalChat"))
+    with pytest.raises(plan_file.PlanError, match="fact.framework='ColossalChat'.*allowed: .*colossalai"):
+        facts.read(str(unknown))
+    # DS-Chat trains without tensor parallelism: its own plan_knobs refuses the tp=4 plan, by key
+    foreign = tmp_path / "foreign.yaml"
+    foreign.write_text(text.replace("framework: colossalai", "framework: dschat"))
+    with pytest.raises(plan_file.PlanError, match="execution_plan.actor.tp=4 cannot run in dschat"):
+        facts.judge(str(foreign))

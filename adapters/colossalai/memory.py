@@ -82,16 +82,41 @@ def _linear_inputs(shape: RunShape) -> float:
     return shape.arch.linear_inputs(matched_layers(shape.lora_targets, shape.arch.family))
 
 
-def _gradients(trainable: float, shape: RunShape) -> Terms:
-    """The working gradients (whole until reduced; partitioned at ZeRO-2) and, under mixed precision, the fp32
-    copy the step makes of this rank's part: all made within a step and freed by its zero_grad
-    (run_shape.step_transient). At fp32 the step hands the master its part as it is (LowLevelZero's
-    `grad.to(master dtype)` copies nothing), and without ZeRO DDP keeps whole fp32 gradients."""
+def _working(trainable: float, shape: RunShape) -> Terms:
+    """The working gradients a backward writes (whole until reduced; partitioned at ZeRO-2) and the reduce bucket
+    (ZeRO-1/2)."""
     dp, zero, vb = shape.data_parallel, shape.zero, shape.value_bytes
-    working = vb * trainable / (dp if zero >= 2 else 1)
     bucket = vb * min(trainable, reduce_bucket_elements(shape)) if zero >= 1 else 0.0
-    fp32_copy = 4 * trainable / (dp if zero >= 1 else 1) if shape.mixed else 0.0
-    return Terms(grads=working + fp32_copy, buffers=bucket)
+    return Terms(grads=vb * trainable / (dp if zero >= 2 else 1), buffers=bucket)
+
+
+def _step_copy(trainable: float, shape: RunShape) -> Terms:
+    """The fp32 gradients the step makes under mixed precision for this rank's part of the master. At fp32 the
+    step hands the master its part as it is (LowLevelZero's `grad.to(master dtype)` copies nothing), and without
+    ZeRO DDP keeps whole fp32 gradients."""
+    return Terms(grads=4 * trainable / (shape.data_parallel if shape.zero >= 1 else 1) if shape.mixed else 0.0)
+
+
+def _gradients(trainable: float, shape: RunShape) -> Terms:
+    """The working gradients and the step's fp32 copy, all made within a step and freed by its zero_grad
+    (run_shape.step_transient)."""
+    return _working(trainable, shape) + _step_copy(trainable, shape)
+
+
+def _at_step(trainable: float, shape: RunShape) -> Terms:
+    """A role's gradients while its optimizer steps on a GPU: the fp32 copy, beside the working gradients under
+    LowLevelZero (ZeRO-1/2), which keeps its working partitions in the grad store until every copy is made; at
+    ZeRO-0 the AMP optimizer (MixedPrecisionOptimizer.step) frees each working gradient as it makes its copy."""
+    return _step_copy(trainable, shape) + (_working(trainable, shape) if shape.zero >= 1 else Terms())
+
+
+def _gpu_update(shape: RunShape, actor_t: float, critic_t: float, critic_work: Terms) -> Terms:
+    """PPO's update on a GPU, whose allocated bytes follow the tensors alive (the CPU's retained heap sums every
+    transient): the actor's working gradients through the critic's backward, then the actor's step beside the
+    critic's gradients, then after the actor's zero_grad the critic's step."""
+    critic_grads = _working(critic_t, shape)
+    return peak(_working(actor_t, shape) + critic_work + critic_grads, _at_step(actor_t, shape) + critic_grads,
+                _at_step(critic_t, shape))
 
 
 def predict(shape: RunShape) -> dict[str, Terms]:
@@ -107,22 +132,29 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         state = offloaded(shape, role_state(params / mp, trainable / mp, vb, zero, dp, master))
         return state, _gradients(trainable / mp, shape), params
 
-    def before_first_step(state: Terms, trainable: float) -> Terms:
-        """HybridAdam makes its moments at the first step; the master copy exists from boosting on."""
-        return without_moments(state, trainable, dp if zero >= 1 else 1)
+    def before_first_step(role: str, lora: int) -> Terms:
+        """HybridAdam makes its moments at the first step; the master copy exists from boosting on (on the host
+        under offload)."""
+        params, trainable = role_params(shape, role, lora)
+        state = role_state(params / mp, trainable / mp, vb, zero, dp, master)
+        return offloaded(shape, without_moments(state, trainable / mp, dp if zero >= 1 else 1))
 
     if shape.stage in ("sft", "rm"):
         role = "actor" if shape.stage == "sft" else "reward"
-        state, grads, _ = trained(role, shape.lora)
-        params, trainable = role_params(shape, role, shape.lora)
-        init = peak(before_first_step(state, trainable), build_transient(shape, params))
+        state, grads, params = trained(role, shape.lora)
+        init = peak(before_first_step(role, shape.lora), build_transient(shape, params))
         if shape.stage == "sft":
             work = forward_backward(shape, shape.batch, shape.seq, logits_copies=hf_loss_logits(shape), dropout=True,
                                     linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
         else:
             work = forward_backward(shape, 2 * shape.batch, shape.seq, dropout=True,
                                     linear_inputs=_linear_inputs(shape), trained_norms=not shape.lora)
-        phases = {"init": init, "training": state + step_transient(shape, work, grads)}
+        if shape.device == "cuda":  # the fp32 copy is made at the step, after the backward freed the activations
+            trainable = role_params(shape, role, shape.lora)[1] / mp
+            update = peak(work + _working(trainable, shape), _at_step(trainable, shape))
+        else:
+            update = step_transient(shape, work, grads)
+        phases = {"init": init, "training": state + update}
         if shape.stage == "rm":
             phases["evaluation"] = state + forward_only(shape, 2 * shape.batch, shape.seq)
         return phases
@@ -134,27 +166,38 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     seq = shape.seq
     # the reward model is built last, whole in fp32, while the others are boosted already
     reward_params = role_params(shape, "reward", 0)[0]
-    init = (before_first_step(actor, role_params(shape, "actor", shape.lora)[1] / mp)
-            + before_first_step(critic, role_params(shape, "critic", shape.lora)[1] / mp)
+    init = (before_first_step("actor", shape.lora) + before_first_step("critic", shape.lora)
             + frozen_role(shape, "ref", role_params(shape, "ref", 0)[0] / mp, vb)
             + build_transient(shape, reward_params))
     # the critic's pass with the actor's gradients still alive (both step after it)
     inputs = _linear_inputs(shape)
     norms = not shape.lora  # coati's LoRA freezes every norm
-    update = actor_grads + step_transient(shape, forward_backward(shape, shape.batch, seq, linear_inputs=inputs,
-                                                                  trained_norms=norms), critic_grads)
+    critic_work = forward_backward(shape, shape.batch, seq, linear_inputs=inputs, trained_norms=norms)
+    if shape.device == "cuda":
+        update = _gpu_update(shape, role_params(shape, "actor", shape.lora)[1] / mp,
+                             role_params(shape, "critic", shape.lora)[1] / mp, critic_work)
+    else:
+        update = actor_grads + step_transient(shape, critic_work, critic_grads)
+    # on a GPU the actor's backward holds its working gradients only (the fp32 copy comes at the step, _gpu_update)
+    actor_backward = _working(role_params(shape, "actor", shape.lora)[1] / mp, shape) if shape.device == "cuda" \
+        else actor_grads
     actor_pass = step_transient(shape, forward_backward(shape, shape.batch, seq, logits_copies=4,
-                                                        linear_inputs=inputs, trained_norms=norms), actor_grads)
+                                                        linear_inputs=inputs, trained_norms=norms), actor_backward)
     heavier = update if update.device >= actor_pass.device else actor_pass
     # grad_accum > 1: coati's counter steps after the last rollout's update, so the earlier ones' gradients stay
     # in the ZeRO grad store (the rank's partition at ZeRO-2, whole below) through the next rollouts
     held = Terms(grads=sum(vb * role_params(shape, role, shape.lora)[1] / mp / (dp if zero >= 2 else 1)
                            for role in ("actor", "critic"))) if shape.grad_accum > 1 else Terms()
+    # offload_inference_models (non-Gemini plugins): the reference and reward go to the host after experience
+    # making and come back before the next; on a CPU host the move stays on the device the run measures
+    shuttled = (shape.device == "cuda" and zero < 3
+                and (shape.options.get("ppo") or {}).get("offload_inference_models", True))
+    updating = actor + critic + (Terms(host=frozen.device + frozen.host) if shuttled else frozen)
     return {
         "init": init,
         "onload": resident + held,
         "generation": resident + held + generation_cache(shape) + forward_only(shape, shape.batch, 1),
         "experience": resident + held + forward_only(shape, shape.batch, seq, logits_copies=3),
-        "offload": resident + held,
-        "training": resident + heavier,
+        "offload": updating + held,
+        "training": updating + heavier,
     }

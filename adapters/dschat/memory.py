@@ -19,6 +19,7 @@ from adapters.deepspeed_memory import (
     engine_build,
     gradient_terms,
     held_gradient_bytes,
+    offloaded_gradients,
     resident_buffers,
     zero3_kept_gathered,
 )
@@ -41,8 +42,9 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     """(total, trainable) parameters of a role: the causal LM, or the backbone with a bias-free value head for
     critic and reward (no LM head; the same parameters when the head is tied); LoRA on the target maps
     (lora_targets; DS-Chat's block-list default: all of them) adds r*(d_in + d_out) each and freezes only
-    their weights (GPT-2: 16*r*h and 12*h^2 per block): the rest keeps training."""
-    arch = shape.arch
+    their weights (GPT-2: 16*r*h and 12*h^2 per block): the rest keeps training. Critic and reward have the
+    critic's arch where it has its own (--critic_model_name_or_path)."""
+    arch = shape.for_role(role).arch
     params = arch.backbone_params + arch.hidden if role in ("critic", "reward") else arch.total_params
     if not lora:
         return params, params
@@ -62,7 +64,7 @@ def kept_gathered(shape: RunShape, role: str) -> Terms:
     tensor of the role's model (the LM, or the backbone and its value head), LoRA factors included."""
     if shape.zero < 3:
         return Terms()
-    arch = shape.arch
+    arch = shape.for_role(role).arch
     numels = arch.tensor_numels(lm_head=role not in ("critic", "reward")) + arch.lora_numels(
         shape.lora, shape.lora_targets or ALL_LORA_LAYERS)
     if role in ("critic", "reward"):
@@ -78,7 +80,8 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     stages = {"actor": zero, "critic": zero if critic_option is None else critic_option}
     stages.update(ref=stages["actor"], reward=stages["critic"])
     critic_ckpt = shape.options.get("critic_gradient_checkpointing")
-    critic_shape = shape if critic_ckpt is None else replace(shape, grad_ckpt=critic_ckpt)
+    critic_shape = shape.for_role("critic")
+    critic_shape = critic_shape if critic_ckpt is None else replace(critic_shape, grad_ckpt=critic_ckpt)
 
     def trained(role: str, lora: int, zero: int = zero) -> tuple[Terms, tuple[Terms, Terms], Terms, Terms]:
         """(state, gradients at the end of a backward (kept from step to step, made in each:
@@ -88,17 +91,19 @@ def predict(shape: RunShape) -> dict[str, Terms]:
         eager = Terms(grads=eager_gradient_bytes(trainable, shape.precision, zero))
         buffers = resident_buffers(trainable, vb, zero, shape.device, shape.reduce_bucket)
         grads = gradient_terms(trainable, vb, zero, dp, shape.precision, shape.reduce_bucket)
+        if shape.offload and shape.device == "cuda":
+            grads = offloaded_gradients(*grads, trainable, vb, zero, shape.reduce_bucket)
         if zero in (1, 2):  # built whole in fp32, then wrapped (measured around deepspeed.initialize)
-            during, after = engine_build(params, trainable, vb, zero, dp, shape.mixed,
-                                         shape.freed_returned)
-            return state, grads, peak(build_transient(shape, params), during), after
+            during, after = (offloaded(shape, t) for t in engine_build(params, trainable, vb, zero, dp, shape.mixed,
+                                                                      shape.freed_returned))
+            return state, grads, peak(build_transient(shape.for_role(role), params), during), after
         # ZeRO-0: the BF16_Optimizer makes every state and its fp32 gradients at once; ZeRO-3 builds the
         # partitions inside zero.Init, and its bucket's pages become resident at the first backward on the
         # host, at allocation on a GPU; its gradient partition (grads' kept) is made at the build's end, so the
         # engines built after it find it there
         at_init = state + eager + (buffers if shape.device == "cuda" else Terms())
         if zero == 0:
-            at_init = peak(at_init, build_transient(shape, params))
+            at_init = peak(at_init, build_transient(shape.for_role(role), params))
         return state + buffers, grads, at_init, at_init + grads[0]
 
     if shape.stage in ("sft", "rm"):
@@ -120,7 +125,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
     critic, critic_grads, critic_during, critic_after = trained("critic", shape.options.get("critic_lora_dim", 0),
                                                                 stages["critic"])
     frozen_params = {role: role_params(shape, role, 0)[0] for role in ("ref", "reward")}
-    frozen_after = {role: frozen_role(shape, role, p, vb, dp if stages[role] >= 3 else 1)
+    frozen_after = {role: frozen_role(shape.for_role(role), role, p, vb, dp if stages[role] >= 3 else 1)
                     for role, p in frozen_params.items()}
     # ZeRO-3's gradient partitions (kept) stay from the build through every phase
     resident = actor + critic + actor_grads[0] + critic_grads[0] + frozen_after["ref"] + frozen_after["reward"]
@@ -133,7 +138,7 @@ def predict(shape: RunShape) -> dict[str, Terms]:
 
     def build(role: str) -> Terms:
         whole = stages[role] < 3 or quant.get(role, "none") != "none"
-        return build_transient(shape, frozen_params[role]) if whole else frozen_after[role]
+        return build_transient(shape.for_role(role), frozen_params[role]) if whole else frozen_after[role]
 
     init = peak(
         actor_during,

@@ -35,8 +35,10 @@ def behaviours(point: Point, arch: Arch, lora: int) -> dict[str, Any]:
 
 
 def knobs_for(workload: Workload) -> list[str]:
-    """A plan whose LoRA trains its factors alone runs with --only_optimize_lora."""
-    return ["framework.only_optimize_lora=true"] if workload.lora and workload.lora_trains == "factors" else []
+    """A plan whose LoRA trains its factors alone runs with --only_optimize_lora; a critic LoRA rank of its own
+    (the llama2 LoRA scripts' 64) runs with --critic_lora_dim."""
+    knobs = ["framework.only_optimize_lora=true"] if workload.lora and workload.lora_trains == "factors" else []
+    return knobs + ([f"framework.critic_lora_dim={workload.critic_lora}"] if workload.critic_lora else [])
 
 
 def command(point: Point, ctx: Context) -> str:
@@ -71,5 +73,7 @@ SPACE = FrameworkSpace(
         ("--enable_hybrid_engine, --inference_tp_size", "the Hybrid Engine's generation layout: the harness's "
          "framework.hybrid_engine runs it at tp 1 on one process, and DS-Chat's memory model does not count it"),
         ("--offload_reference_model", "not wired to a run knob"),
-        ("--critic_lora_dim", "the critic trains whole (0, as every DS-Chat script but the llama2 LoRA ones)")),
+        ("--critic_lora_dim", "the search trains the critic whole (0, as every DS-Chat script but the llama2 LoRA "
+         "ones); a plan's workload.critic_lora runs it")),
+    critic_model="--critic_model_name_or_path",
 )

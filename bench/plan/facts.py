@@ -3,7 +3,9 @@
 Each file of conf/facts/ is a plan file (model, critic_model, cluster, workload, execution_plan: the
 configuration the source ran, as its script runs it) plus a `fact:` block: the framework, the source and its
 address, the words quoted, and what was published (it fits or it failed; where given, the per-GPU figure in MiB
-and how it was measured). The planner evaluates the plan as written and its verdict is set beside the fact's.
+and how it was measured). The fact's own framework predicts the plan as written: its declaration turns the
+execution plan into its knobs, and its own memory model (adapters/<framework>/memory.py, on a GPU) gives the
+per-GPU peak whose verdict is set beside the fact's.
 A fact the planner still disagrees with carries `disagreement:`, the term that differs and why; the tests hold
 every verdict to agree or to carry that reason.
 """
@@ -14,14 +16,15 @@ import argparse
 import glob
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import yaml
 
+from adapters import registry
 from bench.plan import plan_file
 from bench.plan.cluster import GPUS
-from bench.plan.search import evaluate, make_roles
+from bench.run.spec import UnsupportedError
 
 FACTS_DIR = os.path.join(os.path.dirname(plan_file.CONF_MODEL_DIR), "facts")
 MIB = 2**20
@@ -80,24 +83,61 @@ def read(path: str) -> tuple[Fact, dict[str, Any]]:
     if missing or not isinstance(published.get("fits"), bool):
         raise plan_file.PlanError(f"{path}: fact lacks {', '.join(missing) or 'published.fits (true or false)'}")
     name = os.path.splitext(os.path.basename(path))[0]
+    if fact["framework"] not in registry.names():
+        raise plan_file.PlanError(f"{path}: fact.framework={fact['framework']!r} is not a framework here; allowed: "
+                                  f"{', '.join(registry.names())}")
     return Fact(name, fact["framework"], fact["source"], fact["url"], fact["quote"], published["fits"],
                 published.get("per_gpu_mib"), published.get("measured_as"), fact.get("disagreement")), plan
 
 
+def model_overrides(model: Any) -> list[str]:
+    """A fact's model as the run keys its framework's spec is built from: a conf/model preset, or an inline
+    mapping of dimensions over the `tiny` preset (whose other keys, dropout 0 and the family's defaults, are the
+    ones an inline mapping leaves unset)."""
+    if isinstance(model, str):
+        return [f"model={model}"]
+    return ["model=tiny", *(f"model.{k}={v}" for k, v in model.items())]
+
+
 def judge(path: str) -> Verdict:
+    """The fact's configuration predicted by its own framework's declaration: the execution plan as the framework's
+    knobs (its options class's `plan_knobs`, as `bench.run plan=` runs it), checked by its own `validate`, and
+    predicted by its own memory model on a GPU (bench.plan.framework_plans.evaluate_point)."""
+    from adapters import registry
+    from bench.plan.framework_plans import PlanInputError, base_spec, evaluate_point
+
     fact, plan = read(path)
     name, arch, critic_arch, cluster, workload = plan_file.context(plan)
     layouts, groups = plan_file.layouts_of(plan["execution_plan"], arch, critic_arch, cluster)
-    result = evaluate("as published", make_roles(arch, workload, critic_arch), layouts, groups, workload, cluster)
+    if len(groups) > 1:
+        raise plan_file.PlanError(f"{path}: every framework here places every role on every GPU (one group)")
+    # the Hybrid Engine's inference TP (--inference_tp_size) is a knob DS-Chat's memory model does not count (its
+    # plan_space.py declares it so): the fact is predicted at the layout it trains with
+    generation_tp = max(lay.generation_tp for lay in layouts.values())
+    layouts = {role: replace(lay, generation_tp=0) for role, lay in layouts.items()}
+    try:
+        knobs = registry.options_class(fact.framework).plan_knobs(layouts)
+        spec = base_spec(fact.framework, model_overrides(plan["model"]), cluster, workload)
+    except (UnsupportedError, PlanInputError) as err:
+        raise plan_file.PlanError(f"{path}: {err}") from None
+    space = registry.plan_space(fact.framework)
+    point = dict(knobs.common)
+    for knob in space.knobs_for(workload) if space.knobs_for else []:
+        key, value = knob.split("=", 1)
+        point[key] = yaml.safe_load(value)
+    found = evaluate_point(space, spec, point, arch, critic_arch, cluster, workload,
+                           registry.memory_model(fact.framework))
+    if isinstance(found, str):
+        raise plan_file.PlanError(f"{path}: {fact.framework} refuses the configuration: {found}")
     critic = plan.get("critic_model")
     critic_name = critic["name"] if isinstance(critic, dict) else critic
     lora = f", LoRA {workload.lora}" + (f"/{workload.critic_lora}" if workload.critic_lora is not None else "") \
         if workload.lora else ""
-    actor = layouts["actor"]
     setting = (f"{name}" + (f" + {critic_name} critic" if critic_name else "") + f", {cluster.gpus} x {cluster.gpu}, "
                f"{workload.precision}, batch {workload.micro_batch} x {workload.prompt_len}+{workload.answer_len}"
-               f"{lora}, actor {actor.notation}")
-    return Verdict(fact, setting, result.fits, result.peak, result.limit)
+               f"{lora}: {found.terms}" + (f" (--inference_tp_size {generation_tp} not counted)"
+                                           if generation_tp > 1 else ""))
+    return Verdict(fact, setting, found.fits, found.peak, found.limit)
 
 
 def judge_all(directory: str = FACTS_DIR) -> list[Verdict]:
@@ -112,7 +152,7 @@ def _published(v: Verdict) -> str:
     return text + (f", {v.fact.per_gpu_mib * MIB / GIB:.1f} GiB" if v.fact.per_gpu_mib else "")
 
 
-def _planner(v: Verdict) -> str:
+def _predicted(v: Verdict) -> str:
     text = f"{'fits' if v.fits else 'does not fit'}: {v.peak_bytes / GIB:.1f} of {v.limit_bytes / GIB:.1f} GiB"
     if v.error is None:
         return text
@@ -122,18 +162,23 @@ def _planner(v: Verdict) -> str:
 
 def markdown(verdicts: list[Verdict]) -> str:
     """The table docs/published-facts.md shows (a test keeps the page equal to this)."""
-    lines = ["| fact | source | published | setting planned | planner, per GPU | agrees |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| fact | source | published | setting, in the framework's own flags | its memory model, per GPU | "
+             "agrees |", "|---|---|---|---|---|---|"]
     for v in verdicts:
         agrees = "yes" if v.agrees else f"no: {v.fact.disagreement or 'undeclared'}"
         lines.append(f"| `{v.fact.name}` | [{v.fact.source}]({v.fact.url}): \"{v.fact.quote}\" | {_published(v)} | "
-                     f"{v.setting} | {_planner(v)} | {agrees} |")
+                     f"{v.setting} | {_predicted(v)} | {agrees} |")
     agreed = sum(v.agrees for v in verdicts)
     figures = [v for v in verdicts if v.error is not None]
     matched = sum(abs(v.error) <= FIGURE_TOLERANCE for v in figures)
     lines.append("")
     lines.append(f"{agreed} of {len(verdicts)} verdicts agree; of the {len(figures)} published per-GPU figures, "
-                 f"{matched} are within ±{FIGURE_TOLERANCE:.0%} of the planner's peak.")
+                 f"{matched} are within ±{FIGURE_TOLERANCE:.0%} of the predicted peak.")
+    lines.append("")
+    for framework in sorted({v.fact.framework for v in verdicts}):
+        skipped = "; ".join(f"{knob} ({why})" for knob, why in registry.plan_space(framework).declared_only)
+        lines.append(f"{framework}'s knobs its declaration does not search (each fact is predicted without them "
+                     f"unless its setting names them): {skipped}.")
     return "\n".join(lines) + "\n"
 
 
@@ -161,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for v in verdicts:
             mark = "agrees" if v.agrees else "DISAGREES"
-            print(f"{v.fact.name}: published {_published(v)}; planner {_planner(v)} -> {mark}")
+            print(f"{v.fact.name}: published {_published(v)}; {v.fact.framework}'s model {_predicted(v)} -> {mark}")
     # exit 1 when a verdict disagrees without a declared reason, as `--check` exits 1 when a plan does not fit
     return 0 if all(v.agrees or v.fact.disagreement for v in verdicts) else 1
 

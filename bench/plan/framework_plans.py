@@ -166,7 +166,12 @@ def evaluate_point(space: FrameworkSpace, spec: RunSpec, point: Point, arch: Arc
         registry.options_class(space.framework).validate(run)
     except SpecError as err:
         return str(err)
-    phases = model(RunShape.from_spec(run, "ppo", "cuda"))
+    shape = RunShape.from_spec(run, "ppo", "cuda")
+    if critic_arch != arch:  # a critic of its own (published facts; framework=X plans the run's model)
+        if space.critic_model is None:
+            return f"{space.framework}'s memory model builds critic and reward from the run's model"
+        shape = replace(shape, critic_arch=critic_arch)
+    phases = model(shape)
     behaviours = space.behaviours(point, arch, workload.lora)
     planned = replace(workload, micro_batch=micro, **behaviours)
     roles = make_roles(arch, planned, critic_arch)

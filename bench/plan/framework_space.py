@@ -64,7 +64,9 @@ class FrameworkSpace:
     - `excluded`: why a combination of the axes' values is outside the space (at a LoRA rank), else None.
       ZeRO-Offload without a ZeRO stage is outside every space.
     - `knobs_for`: the run overrides a plan's workload (bench.plan.cluster.Workload) asks for through a behaviour
-      the framework sets with a knob (DS-Chat: LoRA training its factors alone is --only_optimize_lora)."""
+      the framework sets with a knob (DS-Chat: LoRA training its factors alone is --only_optimize_lora).
+    - `critic_model`: the framework's own flag for a critic and reward of another model, where its memory model
+      predicts them so (published facts plan DS-Chat's OPT actors with a 350M critic)."""
 
     framework: str
     axes: tuple[Axis, ...]
@@ -77,6 +79,9 @@ class FrameworkSpace:
     describe: Callable[[Point, Context], str] | None = None
     excluded: Callable[[Point, int], str | None] | None = None  # why a point (at a LoRA rank) is not in the space
     knobs_for: Callable[[Any], list[str]] | None = None  # run overrides a plan's workload behaviours ask for
+    # the upstream flag that builds critic and reward from another model, where the framework's memory model
+    # counts them so (RunShape.critic_arch); None: its model predicts them as the run's model
+    critic_model: str | None = None
 
     def points(self, arch: Arch, gpus: int, gpus_per_node: int, lora: int) -> Iterator[Point]:
         """Every point of the space for this model on `gpus` GPUs (tp inside a node dividing the query and

@@ -63,6 +63,14 @@ class RunShape:
     # the host allocator hands freed tensors' pages back (glibc's mmap threshold fixed at RETURNED_THRESHOLD or
     # below, memory_mmap_threshold): RSS follows the tensors alive at once (step_transient)
     freed_returned: bool = False
+    # critic and reward built from another model (DS-Chat's --critic_model_name_or_path); None: the run's model
+    critic_arch: Arch | None = None
+
+    def for_role(self, role: str) -> RunShape:
+        """The shape a role's model has: the critic's and the reward's arch where they have their own."""
+        if role in ("critic", "reward") and self.critic_arch is not None:
+            return dataclasses.replace(self, arch=self.critic_arch, critic_arch=None)
+        return self
 
     @classmethod
     def from_spec(cls, spec: RunSpec, stage: str, device: str = "cpu") -> RunShape:

@@ -60,13 +60,18 @@ def plan_target(keys: str) -> Target:
 
 
 def fact_accuracy() -> str:
-    """What a predicted leaf rests on: how many published GPU facts the planner's verdict agrees with."""
+    """What a predicted leaf rests on: how many published GPU facts each framework's own memory model agrees with
+    (the facts are DS-Chat's and ColossalChat's; the other frameworks' models have none to check)."""
     from bench.plan import facts
 
     verdicts = facts.judge_all()
-    agree = sum(v.agrees for v in verdicts)
-    return (f"the role-by-role planner agrees with {agree} of {len(verdicts)} published GPU facts (the verdict, and "
-            f"a published figure within ±{facts.FIGURE_TOLERANCE:.0%}: python -m bench.plan.facts)")
+    counts = []
+    for framework in sorted({v.fact.framework for v in verdicts}):
+        own = [v for v in verdicts if v.fact.framework == framework]
+        counts.append(f"{framework}'s {sum(v.agrees for v in own)} of {len(own)}")
+    return (f"the frameworks' own memory models agree with published GPU facts: {', '.join(counts)}; the others "
+            f"have no published fact (the verdict, and a published figure within ±{facts.FIGURE_TOLERANCE:.0%}: "
+            "python -m bench.plan.facts)")
 
 
 def branch(target: Target, accuracy: str) -> tuple[str, Node]:

@@ -12,7 +12,7 @@ beside what the run measured (bench.run.plan_record).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from bench.plan import plan_file
@@ -102,13 +102,17 @@ def declared_behaviours(framework: str, arch: Any, world: int, gpus_per_node: in
     return found
 
 
-def _workload_overrides(workload: Workload, dp: int, declared: dict[str, set]) -> list[str]:
+def _workload_overrides(workload: Workload, dp: int, declared: dict[str, set], framework: str) -> list[str]:
     """The run's workload keys; the global batch is split over the `dp` data-parallel ranks (tensor-parallel
-    ranks share their micro-batch)."""
+    ranks share their micro-batch). A switch the framework neither sets itself (its declared behaviours) nor runs
+    with a knob (its `knobs_for`) is refused by name."""
     defaults = Workload()
     for f in fields(Workload):
         value = getattr(workload, f.name)
-        if f.name in NOT_RUN and value != getattr(defaults, f.name) and value not in declared.get(f.name, ()):
+        default = getattr(defaults, f.name)
+        if f.name not in NOT_RUN or value == default or value in declared.get(f.name, ()):
+            continue
+        if behaviour_knobs(framework, workload) == behaviour_knobs(framework, replace(workload, **{f.name: default})):
             allowed = sorted({getattr(defaults, f.name), *declared.get(f.name, ())}, key=str)
             raise UnsupportedError(f"plan: workload.{f.name}={value!r} cannot be run: {NOT_RUN[f.name]}; allowed: "
                                    f"{', '.join(map(repr, allowed))} (the planner's default, or what the framework "
@@ -150,7 +154,7 @@ def planned_run(path: str, framework: str) -> PlannedRun:
                      "every GPU (no role on GPUs of its own)")
     knobs = registry.options_class(framework).plan_knobs(layouts)
     declared = declared_behaviours(framework, arch, cluster.gpus, cluster.gpus_per_node, workload.lora)
-    workload_keys = _workload_overrides(workload, layouts["actor"].dp, declared)
+    workload_keys = _workload_overrides(workload, layouts["actor"].dp, declared, framework)
     overrides = [f"model={name}", "stage=ppo", f"launcher.nnodes={cluster.nodes}",
                  f"launcher.nproc={cluster.gpus_per_node}", *workload_keys,
                  *behaviour_knobs(framework, workload)]
