@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from bench.plan.model_state import zero2_step_bytes
+from bench.plan.model_state import DEEPSPEED_BUCKET, zero2_step_bytes
 from bench.plan.physics import Terms, peak
 
-REDUCE_BUCKET_ELEMENTS = 500_000_000  # DeepSpeed's default reduce_bucket_size; neither DS-Chat nor trlx sets it
 # DeepSpeed's defaults for stage3_max_reuse_distance and stage3_param_persistence_threshold (runtime/zero/config.py):
 # neither framework sets the distance; DS-Chat sets the threshold to 1e4 (ds_utils.py), trlx's accelerate plugin
 # leaves it
@@ -60,7 +59,7 @@ def zero2_made_bytes(trainable: float, value_bytes: int, dp: int, bucket_element
       cast to fp32 for the optimizer (model_state.zero2_step_bytes, which the GPU planner shares).
     On the host only the bucket's written pages count (min of the trained values and the bucket); on a GPU the
     caching allocator holds the whole bucket (bench.plan.cluster.zero2_reduce_bytes)."""
-    bucket = value_bytes * min(trainable, bucket_elements or REDUCE_BUCKET_ELEMENTS)
+    bucket = value_bytes * min(trainable, bucket_elements or DEEPSPEED_BUCKET)
     return 2 * bucket, zero2_step_bytes(trainable, value_bytes, dp)
 
 
@@ -74,7 +73,7 @@ def offloaded_gradients(kept: Terms, made: Terms, trainable: float, value_bytes:
     moved = Terms(host=kept.device + kept.host + made.device)
     if zero >= 3:
         return moved, Terms()
-    bucket = value_bytes * min(trainable, bucket_elements or REDUCE_BUCKET_ELEMENTS)
+    bucket = value_bytes * min(trainable, bucket_elements or DEEPSPEED_BUCKET)
     return moved, Terms(buffers=2 * bucket)
 
 
@@ -97,7 +96,7 @@ def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str,
     parameter) become resident."""
     if zero < 3:
         return Terms()
-    bucket_elements = bucket_elements or REDUCE_BUCKET_ELEMENTS
+    bucket_elements = bucket_elements or DEEPSPEED_BUCKET
     touched = bucket_elements if device == "cuda" else min(trainable, bucket_elements)
     return Terms(buffers=value_bytes * touched)
 

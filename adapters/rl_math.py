@@ -32,18 +32,19 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def kl_penalised_rewards(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, score: torch.Tensor, start: int,
-                         action_mask: torch.Tensor, kl_coef: float, clip: float, eos_is_pad: bool = False
+                         action_mask: torch.Tensor, kl_coef: float, clip: float, one_past: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """DS-Chat's DeepSpeedPPOTrainer.compute_rewards (the plain-PyTorch reference uses the same): -kl_coef *
     (logp - logp_ref) per action, plus the reward model's score clipped to +-clip on each row's EOS action.
     Returns (rewards, ends), `ends` the index one past that action.
 
-    `eos_is_pad` (DS-Chat: pad id = EOS id): the mask drops the EOS action and upstream's
-    `ends = start + mask.sum + 1` lands the score on it (on the last action where a row has no EOS).
-    Without (the reference keeps the ids apart) the EOS action is the last unmasked one: no `+ 1`."""
+    `one_past` (DS-Chat's `ends = start + mask.sum + 1`): where its pad id is the EOS id the mask drops the EOS
+    action and the score lands on it (on the last action where a row has no EOS); where the tokenizer has a pad of
+    its own (DS-Chat's Llama tokenizers) the mask keeps the EOS action and the score lands one past it, on the
+    first pad action. Without (the reference keeps the ids apart) the EOS action is the last unmasked one."""
     rewards = -kl_coef * (log_probs - ref_log_probs)
     # a row that never emitted EOS ends at the last action (upstream's slice `rewards[j, start:ends[j]]` stops there)
-    ends = (start + action_mask[:, start:].sum(1) + int(eos_is_pad)).clamp(max=rewards.shape[1])
+    ends = (start + action_mask[:, start:].sum(1) + int(one_past)).clamp(max=rewards.shape[1])
     rows = torch.arange(rewards.shape[0], device=rewards.device)
     rewards[rows, ends - 1] += score.clamp(-clip, clip)  # one position per row: same as upstream's per-row loop
     return rewards, ends

@@ -9,9 +9,13 @@
 # Gemini needs CUDA: its ZeRO-3 is `unsupported` in seconds). Both rungs have this one design, so the calibration
 # fitted on them pools like with like; the glm-base rung stands beside the glm-base sweep (scripts/glm_sweep.sh,
 # the report's evidence), which would take ten hours to measure again under a new setting.
-# glibc's mmap threshold is fixed at 128 KiB, its own starting value, never raised (memory_mmap_threshold,
-# docs/performance.md "The allocator setting" and "A lower threshold"): every activation is then mapped and returned
-# at its free, and the host peaks follow the live tensors. glibc's own threshold rises to the size of tensors freed
+# Each precision's rung runs under the glibc mmap threshold its shipped calibration was fitted at, so that this
+# command regenerates what ships (adapters/<framework>/memory_calibration.json, one fit per setting): bf16 at
+# glibc's own threshold (the llama-base rung at 44980ef06ab6), fp32 fixed at 128 KiB, glibc's own starting value,
+# never raised (memory_mmap_threshold, docs/performance.md "The allocator setting" and "A lower threshold"): every
+# activation is then mapped and returned at its free, and the host peaks follow the live tensors. MMAP_THRESHOLD
+# (glibc, or bytes) runs a rung under another setting, into a folder of its own (-mmap<setting>), never over a
+# shipped one. glibc's own threshold rises to the size of tensors freed
 # earlier, which made trlx's ZeRO-3 PPO peaks fall from batch 2 to 4; the 4 MiB the a49bc134e77c rung was measured
 # at sits inside the rungs' tensor sizes, so a tensor class crosses it as the batch doubles and the slack moved
 # with the batch (the misses left out there). A run may take up to 3 hours (launcher.timeout_s; trlx's ZeRO-3 PPO
@@ -30,7 +34,10 @@
 # the report beside them) and, once both rungs are there, the accuracy is printed: the planner's physics with each
 # framework's calibration, fitted on both rungs, every configuration predicted by a fit that left it out:
 #   python -m bench.plan.calibrate results/examples/glm-base-rung results/examples/llama-base \
-#     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=131072 --dry-run
+#     --select 'model.name=[glm-base,llama-base]' --select seed=1 --select memory_mmap_threshold=<the rung's> --dry-run
+# The shipped bf16 fit is refitted from the records git keeps by the command docs/planner.md shows (over
+# results/examples/glm-base, glm-base-amx and llama-base); `COMMIT=44980ef06ab6 bash scripts/cpu_rung.sh llama-base`
+# measures its llama-base records again.
 #
 # `bash scripts/cpu_rung.sh MODEL fp32` runs the same design in fp32 (precision=fp32: native on every x86-64 CPU,
 # so a host without AVX512-BF16 or AMX-BF16, where the bf16 cells would take 15-19x the time, can measure a rung).
@@ -78,6 +85,15 @@ full=$(git rev-parse --verify --quiet "${COMMIT:-HEAD}^{commit}") || {
 commit=${full:0:12}
 # glm-base's own names are the sweep's (results/pending/glm-base-<commit>, results/examples/glm-base): its rung
 # keeps apart from them
+# the setting each precision's shipped fit was measured under; another one (MMAP_THRESHOLD) names its own folder
+shipped=$([ "$precision" = bf16 ] && echo glibc || echo 131072)
+setting=${MMAP_THRESHOLD:-$shipped}
+[[ "$setting" = glibc || "$setting" =~ ^[0-9]+$ ]] || {
+  echo "cpu_rung.sh: MMAP_THRESHOLD=$setting: allowed: glibc (its own threshold) or a number of bytes" >&2; exit 2; }
+threshold=$([ "$setting" = glibc ] && echo null || echo "$setting")
+mmap=()  # glibc's own threshold is the run's default (memory_mmap_threshold: null)
+[ "$setting" = glibc ] || mmap=(memory_mmap_threshold="$setting")
+[ "$setting" = "$shipped" ] || suffix="$suffix-mmap$setting"
 case $model in
   llama-base) rung=llama-base$suffix ;;
   glm-base) rung=glm-base-rung$suffix ;;
@@ -93,7 +109,7 @@ cells=(
   "framework=$frameworks stage=sft,rm,ppo zero=2 lora=64 batch=4"
 )
 common=(model=$model launcher.nproc=2 precision=$precision prompt_len=128 answer_len=128 steps=4 warmup_steps=1
-        stage_steps.rm=5 seed=1 memory_mmap_threshold=131072 launcher.timeout_s=10800 sweep_name="$name")
+        stage_steps.rm=5 seed=1 "${mmap[@]}" launcher.timeout_s=10800 sweep_name="$name")
 if [ "$dry" = 1 ]; then
   for cell in "${cells[@]}"; do
     # shellcheck disable=SC2086 # each cell is a list of overrides
@@ -147,4 +163,4 @@ case ${#rungs[@]} in
      models=llama-base ;;
 esac
 "$python" -m bench.plan.calibrate "${rungs[@]}" --select "model.name=$models" --select seed=1 \
-  --select memory_mmap_threshold=131072 --select precision="$precision" --dry-run
+  --select memory_mmap_threshold="$threshold" --select precision="$precision" --dry-run

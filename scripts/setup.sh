@@ -10,10 +10,16 @@ started=$(date +%s)
 # DeepSpeed JIT-compiles its C++ ops (shm_comm on every CPU init, FusedAdam, CPUAdam), built below into
 # .venv/torch_extensions (scripts/build_ops.py): g++ is required.
 # Debian's chromium renders the HTML report in the report test (SKIP_CHROMIUM=1 leaves it out; that test
-# is then skipped).
+# is then skipped). Debian's slurm-wlm daemons and munge are the real SLURM the SLURM test starts with
+# scripts/slurm_local.sh (SKIP_SLURM=1 leaves them out; that test is then skipped, saying why).
 apt_missing=()
 command -v g++ >/dev/null 2>&1 || apt_missing+=(g++)
 [ -n "${SKIP_CHROMIUM:-}" ] || [ -x /usr/bin/chromium ] || apt_missing+=(chromium)
+if [ -z "${SKIP_SLURM:-}" ]; then
+  for pair in slurmctld:slurmctld slurmd:slurmd srun:slurm-client munged:munge; do
+    command -v "${pair%%:*}" >/dev/null 2>&1 || apt_missing+=("${pair#*:}")
+  done
+fi
 if [ ${#apt_missing[@]} -gt 0 ]; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${apt_missing[@]}" >/dev/null
@@ -21,7 +27,8 @@ if [ ${#apt_missing[@]} -gt 0 ]; then
     echo "setup: g++ is required (DeepSpeed compiles its ops at first use); install it and re-run" >&2
     exit 1
   else
-    echo "setup: no root for apt-get; chromium not installed, the HTML render test will be skipped" >&2
+    echo "setup: no root for apt-get; not installed: ${apt_missing[*]} (the HTML render and SLURM tests are skipped" \
+      "where theirs are missing)" >&2
   fi
 fi
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# A real SLURM on this host, for the SLURM tests: Debian's slurm-wlm (slurmctld + slurmd, one node) and munge,
-# installed with apt where missing, configured in a folder of their own and started as root.
+# A real SLURM on this host, for the SLURM tests: Debian's slurm-wlm (slurmctld + slurmd, one node) and munge
+# (scripts/setup.sh installs them as root with apt), configured in a folder of their own and started as root.
 #
-#   bash scripts/slurm_local.sh start [DIR]   install if needed, write DIR/slurm.conf, start munged, slurmctld and
+#   bash scripts/slurm_local.sh start [DIR]   write DIR/slurm.conf, start munged, slurmctld and
 #                                             slurmd, wait until the node is idle; prints `export SLURM_CONF=...`
 #   bash scripts/slurm_local.sh stop [DIR]    stop the three daemons started from DIR
 #
@@ -32,13 +32,12 @@ if [ "$action" != start ]; then
   exit 2
 fi
 
-if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null || ! command -v munged >/dev/null \
-    || ! command -v srun >/dev/null; then
-  echo "installing Debian's slurmctld, slurmd, slurm-client and munge (apt)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge \
-    >"${TMPDIR:-/tmp}/slurm-apt.log" 2>&1 || { apt-get update -q >/dev/null && \
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends slurmctld slurmd slurm-client munge \
-    >"${TMPDIR:-/tmp}/slurm-apt.log" 2>&1; }
+missing=()
+for binary in slurmctld slurmd srun munged; do command -v "$binary" >/dev/null || missing+=("$binary"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "slurm_local.sh: not installed: ${missing[*]}; scripts/setup.sh installs Debian's slurmctld, slurmd," \
+    "slurm-client and munge as root (or: apt-get install slurmctld slurmd slurm-client munge)" >&2
+  exit 2
 fi
 
 stop  # a previous start from this folder

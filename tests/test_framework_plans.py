@@ -55,6 +55,7 @@ def _written(point: dict, framework: str, tmp_path: Path, lora: int = 0) -> tupl
     return plan, str(path)
 
 
+@pytest.mark.engine  # every declared point through bench.run's plan expansion (DS-Chat's: tens of seconds)
 @pytest.mark.parametrize("framework", registry.names())
 @pytest.mark.parametrize("lora", [0, 4])
 def test_every_declared_layout_runs_as_its_own_knobs(framework, lora, tmp_path) -> None:
@@ -101,6 +102,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_all_prints_every_framework_beside_the_role_by_role_search(tmp_path) -> None:
     done = _cli("model=glm-10b", "cluster.gpus_per_node=8", "cluster.gpu=A100-80GB", "framework=all",
                 f"out={tmp_path / 'x.yaml'}")
@@ -110,6 +112,7 @@ def test_all_prints_every_framework_beside_the_role_by_role_search(tmp_path) -> 
     assert not list(tmp_path.iterdir())  # the table writes no plan
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_framework_x_writes_a_plan_that_names_its_framework_and_commands(tmp_path) -> None:
     out = tmp_path / "p.yaml"
     done = _cli("model=glm-base", "cluster.gpus_per_node=2", "cluster.gpu=A100-80GB", "framework=dschat",
@@ -122,6 +125,7 @@ def test_framework_x_writes_a_plan_that_names_its_framework_and_commands(tmp_pat
     assert plan_run.expand([f"plan={out}"], "torch")[0] == "framework=dschat"
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.parametrize("value", ["nope", "dschat,trlx"])
 def test_an_unknown_framework_is_refused_by_name(value, tmp_path) -> None:
     done = _cli(f"framework={value}", f"out={tmp_path / 'x.yaml'}")

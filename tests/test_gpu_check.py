@@ -25,6 +25,7 @@ def _module():
     return module
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_dry_run_lists_every_run_on_cuda_most_important_first():
     done = subprocess.run([sys.executable, SCRIPT, "--dry-run", "--out", "x"], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)

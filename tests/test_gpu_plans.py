@@ -19,6 +19,7 @@ import gpu_plans  # noqa: E402
 GIB = 2**30
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_the_dry_run_plans_then_runs_every_framework() -> None:
     done = subprocess.run([sys.executable, "scripts/gpu_plans.py", "--dry-run"], cwd=REPO, capture_output=True,
                           text=True, timeout=120)
@@ -28,6 +29,7 @@ def test_the_dry_run_plans_then_runs_every_framework() -> None:
     assert lines[1].startswith("-m bench.run plan=results/gpu-plans/plan-dschat.yaml")
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a host without CUDA")
 def test_without_cuda_it_refuses() -> None:
     done = subprocess.run([sys.executable, "scripts/gpu_plans.py", "--out", "/nonexistent"], cwd=REPO,

@@ -76,6 +76,7 @@ def _old(path: Path) -> None:
     os.utime(path, (time.time() - OLD_S, time.time() - OLD_S))
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.parametrize("killed", ["guarded", "unguarded"])
 def test_a_run_after_a_build_killed_midway_removes_its_lock_names_it_and_builds(folder, killed):
     # guarded: the killed builder recorded itself in the lock; unguarded: torch outside this project left an
@@ -92,6 +93,7 @@ def test_a_run_after_a_build_killed_midway_removes_its_lock_names_it_and_builds(
     assert not _lock(folder).exists()
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_run_waits_for_a_live_build_and_says_for_whom(folder):
     first = _start(folder, compile_s=15)  # past the second child's imports (about 5 s)
     _wait_for_the_build(folder, first)
@@ -104,6 +106,7 @@ def test_a_run_waits_for_a_live_build_and_says_for_whom(folder):
     assert f"waiting for the JIT build lock {_lock(folder)} (its builder, pid {first.pid} on" in waited
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_wait_that_never_ends_fires_the_watchdog_with_the_lock_named(folder):
     first = _start(folder, compile_s=600)
     _wait_for_the_build(folder, first)
@@ -120,6 +123,7 @@ def test_a_wait_that_never_ends_fires_the_watchdog_with_the_lock_named(folder):
     assert "in wait" in report  # the stack shows where: the guarded wait of torch's lock
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_lock_is_judged_by_its_builder_s_record(tmp_path):
     lock = tmp_path / "lock"
     me = psutil.Process()
@@ -140,6 +144,7 @@ def test_a_lock_is_judged_by_its_builder_s_record(tmp_path):
     assert jit_builds.judge(str(lock)).state == "released"
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_lock_without_a_record_is_judged_by_who_holds_it_open(tmp_path, monkeypatch):
     lock = tmp_path / "lock"
     lock.write_text("")
@@ -182,6 +187,7 @@ def test_every_process_a_test_starts_uses_the_folder_the_launcher_gives_its_rank
     assert env == {"TORCH_EXTENSIONS_DIR": "/chosen"}
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_set_up_s_op_builder_refuses_an_op_it_does_not_know_and_names_those_it_does():
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "build_ops.py"), "fused_adamw"],
                           capture_output=True, text=True, timeout=60)

@@ -88,6 +88,7 @@ print(mapped)
 """
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="the mmap threshold is glibc's (this host's libc: "
                     f"{platform.libc_ver()[0] or 'unknown'})")
 @pytest.mark.parametrize(("overrides", "expected"), [([], "[True, False]"),

@@ -56,6 +56,15 @@ def test_coati_warms_up_linearly_then_anneals_to_a_tenth_of_the_rate():
     assert rates[9] == pytest.approx(0.1602886, abs=1e-7)
 
 
+def test_coati_s_critic_anneals_to_a_tenth_of_the_actor_s_rate():
+    """train_ppo.py: both schedulers take eta_min = 0.1 x args.lr (the actor's); a critic at half the actor's
+    rate anneals to 0.2 of its own: at the cosine's end (step 4 of 4 without warm-up) 0.1 x 2 / 1 = 0.2."""
+    assert coati.floor_share(lr=1e-3, scripts_lr=2e-3) == pytest.approx(0.2)
+    rates = _rates(lambda opt: coati.build_scheduler(opt, 0, 4, coati.floor_share(1e-3, 2e-3)), 5)
+    # 0.2 + 0.8 x (1 + cos(pi t / 4)) / 2 for t = 0..4
+    assert rates == pytest.approx([1.0, 0.8828427, 0.6, 0.3171573, 0.2], abs=1e-7)
+
+
 def test_coati_without_warmup_starts_at_the_full_rate():
     rates = _rates(lambda opt: coati.build_scheduler(opt, 0, 4), 4)
     # 0.1 + 0.9 x (1 + cos(pi t / 4)) / 2 for t = 0..3

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from bench.plan import calibration
+from bench.plan.accuracy import LEAVE_ONE_OUT
 from bench.plan.calibration import Calibration, Residual
 
 MiB = 2**20
@@ -231,7 +232,7 @@ def test_the_report_splits_a_framework_s_runs_by_the_fit_of_their_setting(tmp_pa
     accuracy = prediction_table(runs)[0]
     labels = {(row[0], row[1], row[2]) for row in accuracy.rows}
     fitted = ("dschat (bf16 at glibc's own mmap threshold)", "dschat (fp32 at memory_mmap_threshold=131072)")
-    assert labels == {(name, split, "2") for name in fitted for split in ("fitted", "leave one configuration out")} \
+    assert labels == {(name, split, "2") for name in fitted for split in ("fitted", LEAVE_ONE_OUT)} \
         | {("dschat (no fit)", "no calibration", "2")}  # init and training of each run
     unfitted = next(row for row in accuracy.rows if row[0] == "dschat (no fit)")
     assert unfitted[3] == unfitted[4]  # MAE calibrated is the physics' own

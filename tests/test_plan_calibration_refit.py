@@ -45,6 +45,8 @@ def stored() -> dict[tuple[str, int | None], calibration.Calibration]:
 
 @pytest.mark.parametrize("framework, threshold, root", FITS)
 def test_the_stored_calibration_equals_a_refit_of_the_curated_records(stored, framework, threshold, root):
+    """A staleness check, not an oracle: the shipped file still equals what bench.plan.calibrate refits from the
+    records git keeps with the current code (a change to the physics that moves a fit fails here until refitted)."""
     cal = stored[(framework, threshold)]
     roots = _sources(cal)
     assert root in roots and all((REPO / r).is_dir() for r in roots), roots
@@ -208,3 +210,17 @@ def test_a_fit_pooling_host_peaks_of_two_allocator_settings_is_refused(tmp_path)
         refit(records, comparisons(records), {"seed": 1}, str(rung), "dschat")
     fit = refit(records, comparisons(records), {"seed": 1, "memory_mmap_threshold": None}, str(rung), "dschat")
     assert fit is not None and fit[0].fitted_on["runs"] == 17
+
+
+def test_a_run_whose_configuration_no_longer_reads_is_counted_not_dropped_silently():
+    """A curated record counts its phases; the same record with a configuration that no longer reads as a run
+    (its `model` gone) counts none, is named with why, and the accuracy table says how many were left out."""
+    from bench.report.prediction import left_out
+
+    record = json.loads(sorted((REPO / "results" / "examples" / "claims").rglob("record.json"))[0].read_text())
+    assert comparisons({"current": record})
+    config = {k: v for k, v in record["config"].items() if k != "model"}
+    unreadable: dict[str, str] = {}
+    assert comparisons({"stale": {**record, "config": config}}, unreadable) == []
+    assert unreadable == {"stale": "KeyError: 'model'"}
+    assert "Left out: 1 successful run(s)" in left_out(unreadable) and left_out({}) == ""

@@ -501,6 +501,7 @@ def test_lora_plans_hold_deepspeeds_whole_reduce_buckets():
     assert training(critic, Layout(dp=8, zero=1), w).buffers == 0
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.parametrize("args, said", [
     (("top=abc",), "top='abc' must be an integer >= 1"),
     (("top=-1",), "top=-1 must be an integer >= 1"),
@@ -516,6 +517,7 @@ def test_bad_planner_input_exits_2_naming_the_value_and_writes_nothing(tmp_path,
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_binary_plan_file_is_refused_by_name(tmp_path):
     path = tmp_path / "plan.yaml"
     path.write_bytes(b"\xff\xfe\x00model: glm-10b\n")
@@ -523,6 +525,7 @@ def test_a_binary_plan_file_is_refused_by_name(tmp_path):
     assert done.returncode == 2 and "is not UTF-8 text" in done.stdout, done.stdout
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_check_overrides_a_preset_model_s_field(tmp_path):
     """`model.vocab=...` beside a plan naming a preset plans the changed preset (it was a TypeError)."""
     done = _cli("--check", "plan=conf/plan/example-8b.yaml", "model.vocab=50000")
@@ -530,6 +533,7 @@ def test_check_overrides_a_preset_model_s_field(tmp_path):
     assert "model.vocab=50000" in done.stdout.replace("\n", " ")
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_no_layout_for_the_batch_says_why():
     done = _cli("cluster.nodes=100000", "top=1")
     assert done.returncode == 1

@@ -308,6 +308,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_fsdp2_keeps_what_a_forward_without_autograd_gathered_until_the_next_backward():
     """The reference's _held rule, read from FSDP2 itself: its registered parameters are plain tensors while
     gathered and DTensors while sharded. Without resharding after the forward (the reference's ZeRO-2) a forward

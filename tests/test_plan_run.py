@@ -119,6 +119,7 @@ def test_workload_the_harness_cannot_run_and_uneven_batches_are_refused(tmp_path
         plan_run.expand(["plan=no-such-plan"], "dschat")
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_the_cli_refuses_before_launch_with_exit_2_and_writes_nothing(tmp_path) -> None:
     done = subprocess.run([sys.executable, "-m", "bench.run", f"plan={_plan(tmp_path, **DIFFERING)}",
                            "framework=colossalai", f"output_root={tmp_path / 'out'}"],

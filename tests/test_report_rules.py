@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,8 @@ from bench.report.claims import CONTRADICTED, NOT_MEASURED, PARTLY, SUPPORTED, T
 from bench.report.decision import Leaf
 from bench.results.collect import collect
 from tests.report_records import MIB, config, record, write
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _collect(tmp_path, runs: dict[str, dict]) -> object:
@@ -117,12 +120,15 @@ def test_memory_order_uses_only_cells_that_differ_in_the_framework(tmp_path):
     assert verdict == NOT_MEASURED, evidence  # old behaviour: compared batch 2 with batch 8
 
 
+def _three_seeds(growths: dict[str, float]) -> dict[str, dict]:
+    """PPO runs of each framework at seeds 1-3 growing its MiB + 10 x the seed."""
+    return {f"{framework}{seed}": record(config(seed=seed, **{"framework.name": framework}),
+                                         run_id=f"{framework}{seed}", growth_mib=growth + 10 * seed)
+            for framework, growth in growths.items() for seed in (1, 2, 3)}
+
+
 def test_memory_order_verdict_shows_its_pairs(tmp_path):
-    runs = {}
-    for framework, growth in (("trlx", 3000), ("colossalai", 2000), ("dschat", 1000)):
-        for seed in (1, 2, 3):
-            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
-                                                run_id=f"{framework}{seed}", growth_mib=growth + 10 * seed)
+    runs = _three_seeds({"trlx": 3000, "colossalai": 2000, "dschat": 1000})
     verdict, evidence = _verdict(_collect(tmp_path, runs), "A3")
     assert verdict == SUPPORTED
     assert "[stage=ppo model=glm-base precision=bf16 zero=2 lora=0 batch=2 nproc=2]" in evidence
@@ -140,11 +146,28 @@ def test_overlapping_memory_is_a_tie_not_an_order(tmp_path):
 
 
 def test_equal_stability_never_makes_trlx_best(tmp_path):
-    c = _collect(tmp_path, {"t": record(config(**{"framework.name": "trlx"}), run_id="t"),
-                            "d": record(config(), run_id="d")})
-    verdict, evidence = _verdict(c, "A5")
+    runs = {f"{f}{seed}": record(config(seed=seed, **{"framework.name": f}), run_id=f"{f}{seed}")
+            for f in ("trlx", "dschat") for seed in range(3)}
+    verdict, evidence = _verdict(_collect(tmp_path, runs), "A5")
     assert "trlx bf16 (best)" in evidence and "-> not supported (tie)" in evidence
     assert verdict != SUPPORTED  # old behaviour: 0 % <= 0 % counted as "trlx best"
+
+
+def test_a_stability_share_of_one_run_decides_nothing(tmp_path):
+    c = _collect(tmp_path, {"t": record(config(**{"framework.name": "trlx"}), run_id="t"),
+                            "d": record(config(), run_id="d", stability="diverged")})
+    verdict, evidence = _verdict(c, "A5")
+    assert "trlx bf16 (best)" in evidence and f"-> {claims.UNDECIDED}" in evidence
+    assert verdict == claims.UNDECIDED  # old behaviour: 0 % against 100 % of one run read "supported"
+
+
+def test_a_memory_order_with_one_pair_held_and_one_reversed_is_partly_supported(tmp_path):
+    """Claimed trlx > colossalai > dschat; measured trlx = dschat (overlapping) > colossalai: trlx above
+    colossalai holds, trlx against dschat is a tie, colossalai above dschat is reversed."""
+    runs = _three_seeds({"trlx": 3000, "dschat": 3005, "colossalai": 1000})
+    verdict, evidence = _verdict(_collect(tmp_path, runs), "A3")
+    assert verdict == PARTLY, evidence
+    assert ("trlx > colossalai holds, trlx > dschat tied, colossalai > dschat reversed" in evidence), evidence
 
 
 def test_zero3_claim_compares_one_configuration(tmp_path):
@@ -155,6 +178,24 @@ def test_zero3_claim_compares_one_configuration(tmp_path):
     verdict, evidence = _verdict(_collect(tmp_path, runs), "A7")
     # medians (400+501) / (400+1001) MiB: ZeRO-3 below beyond the spread
     assert verdict == CONTRADICTED and "ZeRO-3 / ZeRO-2 peak = 0.643" in evidence, evidence
+
+
+@pytest.mark.parametrize("zero3_growth, verdict, said", [
+    # ZeRO-2 peaks 1,400-1,420 MiB (baseline 400): ZeRO-3 at 1,640-1,650 gives 1.155-1.179 at the extremes
+    ((1240, 1245, 1250), SUPPORTED, "(seed extremes 1.155-1.179) against the claimed 1.15-1.20 (direction and size "
+                                    "supported"),
+    # ZeRO-3 at 1,620-1,690: the median ratio 1.172 is inside, the extremes 1.141-1.207 straddle both bounds
+    ((1220, 1252, 1290), PARTLY, "direction supported, size not decided"),
+    # ZeRO-3 at 1,800-1,810: above the claim at every extreme
+    ((1400, 1405, 1410), PARTLY, "direction supported, size outside the claim"),
+])
+def test_zero3_s_size_is_judged_at_the_seeds_extremes(tmp_path, zero3_growth, verdict, said):
+    runs = {}
+    for seed in range(3):
+        runs[f"2-{seed}"] = record(config(zero=2, seed=seed), run_id=f"2-{seed}", growth_mib=1000 + 10 * seed)
+        runs[f"3-{seed}"] = record(config(zero=3, seed=seed), run_id=f"3-{seed}", growth_mib=zero3_growth[seed])
+    found, evidence = _verdict(_collect(tmp_path, runs), "A7")
+    assert found == verdict and said in evidence, evidence
 
 
 def test_a_single_run_a_side_decides_no_claim(tmp_path):
@@ -212,6 +253,19 @@ def test_a_faster_cell_without_repeats_is_named_beside_the_repeated_candidate_no
     # batch 2 x 2 ranks / 2 s / 2 ranks = 1.000 samples/s per rank
     assert any(e.startswith("colossalai: faster but unrepeated, not a candidate: zero=0") and "1.000" in e
                and "(n=1 < 3)" in e for e in leaf.evidence), leaf.evidence
+
+
+def test_runs_refused_as_unsupported_are_not_counted_as_runs_that_did_not_fit(tmp_path):
+    runs = {}
+    for seed in range(3):
+        for framework, step_s in (("dschat", 5.0), ("colossalai", 10.0)):
+            runs[f"{framework}{seed}"] = record(config(seed=seed, **{"framework.name": framework}),
+                                                run_id=f"{framework}{seed}", step_s=step_s + 0.1 * seed)
+    runs["colossalai-z3"] = record(config(zero=3, **{"framework.name": "colossalai"}), run_id="z3",
+                                   status="unsupported")
+    leaf = _leaves(_collect(tmp_path, runs))[FULL]
+    said = next(e for e in leaf.evidence if e.startswith("colossalai: fastest fitting config"))
+    assert said.endswith("(3 of 3 runs fit and stayed stable; 1 more refused as unsupported)"), said
 
 
 def test_one_run_with_steady_steps_is_not_a_repeat(tmp_path):
@@ -431,3 +485,69 @@ def test_allgather_bucket_claim_compares_training_steps(tmp_path, times_5e8, tim
     got, evidence = _verdict(_collect(tmp_path, runs), "A14")
     assert got == verdict, evidence
     assert "at 5e+07" in evidence
+
+
+def test_trl_s_ppo_trains_policy_and_value_model_under_one_optimizer(tmp_path):
+    """TRL's PPO steps one AdamW over policy and value model (PolicyAndValueWrapper); under DeepSpeed its record
+    books the whole optimizer state to the actor. The row still counts both models as trained: glm-base's
+    108,943,872 policy and 108,944,640 value-model parameters, 217,888,512 in all."""
+    source = next(p for p in sorted((ROOT / "results" / "examples" / "glm-base").iterdir())
+                  if "framework=trl," in p.name and "stage=ppo" in p.name and "zero=2" in p.name)
+    shutil.copytree(source, tmp_path / source.name)
+    row = next(r for r in collect(str(tmp_path)).rows if r["stage"] == "ppo")
+    assert row["trained_params"] == row["trainable_params"] == 108_943_872 + 108_944_640
+
+
+def _quantized(seed: int, library: str | None, experience_mib: float, peak_mib: float) -> dict:
+    """A PPO record whose experience phase grows `experience_mib` and whose peak phase (training) `peak_mib`;
+    `library` None: reference and reward unquantized, else both int8 through that library."""
+    cfg = config(seed=seed)
+    if library:
+        cfg.update(reference={"quant": "int8"}, reward={"quant": "int8"}, quant_library=library)
+    data = record(cfg, run_id=f"{library}{seed}", growth_mib=peak_mib)
+    phases = data["stages"]["ppo"]["memory"]["phases"]
+    phases["experience"] = dict(phases["training"], growth_over_baseline_bytes=int(experience_mib * MIB))
+    return data
+
+
+def test_int8_frozen_roles_need_repeats_and_a_lower_peak_not_only_a_lower_experience_phase(tmp_path):
+    """torchao's experience growth (800-820 MiB) is below none's (1,000-1,020) beyond the spread, but its peak
+    (1,490-1,530) overlaps none's (1,500-1,520): a tie for the memory half; bitsandbytes' single run decides
+    nothing. Each quantized cell's evidence names its library once."""
+    runs = {}
+    for seed in range(3):
+        runs[f"none{seed}"] = _quantized(seed, None, 1000 + 10 * seed, 1500 + 10 * seed)
+        runs[f"torchao{seed}"] = _quantized(seed, "torchao", 800 + 10 * seed, 1490 + 20 * seed)
+    runs["bnb"] = _quantized(0, "bitsandbytes", 700, 1300)
+    verdict, evidence = _verdict(_collect(tmp_path, runs), "B10")
+    assert verdict == TIE, evidence
+    assert "ref int8, reward int8 (torchao) against none: experience growth lower; peak growth within the spread" \
+        in evidence, evidence
+    assert "ref int8, reward int8 (bitsandbytes) against none: not decided (n=1 against 3; 3 a side)" in evidence
+    assert evidence.count("(torchao) against none") == 1
+
+
+def test_every_claim_judged_against_a_card_uses_the_share_a_plan_may_fill():
+    """A20's memory part and B2 both compare a bound with 90 % of the card as torch reports it (bench.plan.cluster's
+    SAFETY): A20's PPO bound, 77.2 GiB, fits the A100-80GB's 79.14 GiB but not the 71.2 GiB a plan may fill."""
+    verdict, evidence = claims._a20([], {}, {})
+    assert "(90% of the A100-80GB's 79.14 GiB as torch reports it) (implausible as stated)" in evidence, evidence
+    assert "(90% of the A100-40GB's" in claims._b2([], {}, {})[1]
+
+
+def test_figures_say_where_lora_0_is_partial_freezing_and_where_seeds_had_their_own_reward_model():
+    rows = [{"framework": "trlx", "lora": 0, "finetune": "partial", "stage": "ppo"},
+            {"framework": "dschat", "lora": 0, "finetune": "full", "stage": "ppo"}]
+    assert "trlx at 0: partial freezing" in plots._knob_label("lora", rows)
+    assert plots._knob_label("lora", rows[1:]) == plots.KNOB_LABEL["lora"]
+    assert plots._knob_label("zero", rows) == plots.KNOB_LABEL["zero"]
+    # three seeds of one cell, each scored by its own prerequisite reward model (held-out accuracy 0.25/0.75/0.25)
+    ppo = [{"run": f"r{seed}", "cell": "c", "stage": "ppo", "status": "ok", "tags": [], "framework": "dschat",
+            "lora": 0} for seed in range(3)]
+    records = {f"r{seed}": {"prerequisites": {"rm": {"checkpoint": f"rm-{seed}.pt", "accuracy_end": acc}}}
+               for seed, acc in enumerate((0.25, 0.75, 0.25))}
+    note = plots._reward_model_note(ppo, records)
+    assert "In 1 of 1 PPO cells each run scored with its own prerequisite reward model" in note, note
+    assert "0.25/0.75/0.25" in note
+    shared = {run: {"prerequisites": {"rm": {"checkpoint": "rm.pt", "accuracy_end": 0.5}}} for run in records}
+    assert plots._reward_model_note(ppo, shared) == ""

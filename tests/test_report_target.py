@@ -44,6 +44,7 @@ def test_measured_leaves_say_what_they_rest_on() -> None:
     assert found and found[0].evidence[-1] == "rests on: measured: 1 run(s) on zen4, commit(s) abcdef0123"
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 @pytest.mark.parametrize("keys, said", [
     ("model=glm-10b framework=dschat", "give the model, cluster.* and workload.* keys only"),
     ("model=glm-base", "exceeds the model's 512 positions"),

@@ -287,6 +287,11 @@ def test_a_sweep_records_unsupported_cells_and_goes_on(tmp_path):
     records = {p.parent.name: json.loads(p.read_text()) for p in tmp_path.glob("sweeps/*/*/record.json")}
     by_zero = {r["config"]["zero"]: r for r in records.values()}
     assert by_zero[0]["status"] == "unsupported" and "offload=true needs zero >= 1" in by_zero[0]["error"]["message"]
+    # a refused cell carries the provenance a run does: the code's commit and dirty state, the host and its
+    # native matrix instructions, beside the run's own
+    refused, ran = by_zero[0]["environment"], by_zero[1]["environment"]
+    assert refused["git"] == ran["git"] and refused["git"]["commit"]
+    assert refused["host"] == ran["host"] and "matrix_isa" in refused["host"]
     assert by_zero[1]["status"] == "ok", by_zero[1]["error"]
     # ZeRO-1 on 1 rank partitions nothing: the fp32 master and AdamW's two fp32 moments, 12 bytes a parameter
     sft = by_zero[1]["stages"]["sft"]

@@ -22,15 +22,17 @@ def _cosine(t: float, total: float, floor: float = 0.0) -> float:
     return floor + (1 - floor) * (1 + math.cos(math.pi * t / total)) / 2
 
 
-# per framework: the rate at each step's start over the base rate, the optimizer steps per step
+# per framework: the rate at each step's start over the role's base rate (given the roles' rates), the optimizer
+# steps per step
 EXPECTED = {
     # transformers' cosine, round(4 x 100 / 477) = 1 warm-up step of 4 (the rate at step 0 is 0)
-    "dschat": ([0.0, 1.0, _cosine(1, 3), _cosine(2, 3)], 1),
+    "dschat": (lambda lrs, role: [0.0, 1.0, _cosine(1, 3), _cosine(2, 3)], 1),
     # 2 rollouts x 4 samples in minibatches of 4: 2 optimizer steps per episode, 8 in all, int(0.025 x 8) = 0
-    # warm-up; each step starts at optimizer step 0, 2, 4, 6 of a cosine to 0.1 x lr
-    "colossalai": ([_cosine(t, 8, 0.1) for t in (0, 2, 4, 6)], 2),
+    # warm-up; each step starts at optimizer step 0, 2, 4, 6 of a cosine to eta_min = 0.1 x the actor's lr, the
+    # critic's too (train_ppo.py: eta_min=0.1 * args.lr for both schedulers)
+    "colossalai": (lambda lrs, role: [_cosine(t, 8, 0.1 * lrs["actor"] / lrs[role]) for t in (0, 2, 4, 6)], 2),
     # constant (eta_min = lr); 4 x 4 rollouts in minibatches of 4, 4 epochs: 16 optimizer steps
-    "trlx": ([1.0] * 4, 16),
+    "trlx": (lambda lrs, role: [1.0] * 4, 16),
 }
 
 
@@ -44,7 +46,7 @@ def test_the_engines_apply_upstream_s_schedule_and_step_count(run_bench, framewo
     roles = ("actor",) if framework == "trlx" else ("actor", "critic")
     for role in roles:
         read = [step[f"lr/{role}"] for step in ppo["steps"]]
-        assert read == pytest.approx([f * lrs[role] for f in factors], rel=1e-6, abs=1e-12), role
+        assert read == pytest.approx([f * lrs[role] for f in factors(lrs, role)], rel=1e-6, abs=1e-12), role
     assert [step["optimizer_steps/actor"] for step in ppo["steps"]] == [per_step] * 4
     # the passes over each step's rollouts the record states: trlx's ppo_epochs 4, DS-Chat's 1, coati's
     # num_update_steps 1 (train_ppo.sh)

@@ -53,10 +53,30 @@ def test_dschat_drops_the_eos_action_from_the_losses_and_lands_the_score_on_it()
     assert action_mask[:, START:].tolist() == [[1, 1, 0], [1, 0, 0], [0, 0, 0], [1, 1, 1]]
     zeros = torch.zeros(4, 5)
     rewards, ends = kl_penalised_rewards(zeros, zeros, torch.tensor([1.0, 2.0, 3.0, 9.0]), START, action_mask,
-                                         kl_coef=0.1, clip=5.0, eos_is_pad=True)
+                                         kl_coef=0.1, clip=5.0, one_past=True)
     # ends = start + mask.sum + 1: the EOS action (columns 4, 3, 2); without EOS the last action, 5 cut to 5
     assert ends.tolist() == [5, 4, 3, 5]
     assert rewards[:, START:].tolist() == [[0, 0, 1], [0, 2, 0], [3, 0, 0], [0, 0, 5]]  # 9 clipped to 5
+
+
+def test_dschat_on_a_llama_tokenizer_keeps_the_eos_action_and_lands_the_score_one_past_it():
+    """get_tokenizer gives a Llama model path a [PAD] of its own, so `seq.not_equal(pad_token_id)` keeps the EOS
+    action in both losses, compute_rewards' `ends = start + mask.sum + 1` puts the score on the action after the
+    EOS (the first pad action; where a row runs to the end, its last action), and forward_value reads the value at
+    the EOS, the token before the first pad."""
+    from adapters.dschat.options import pad_is_eos
+
+    assert not pad_is_eos("llama") and pad_is_eos("gpt2") and pad_is_eos("qwen2")
+    action_mask = (SEQ != PAD).long()[:, 1:]
+    assert action_mask[:, START:].tolist() == [[1, 1, 1], [1, 1, 0], [1, 0, 0], [1, 1, 1]]
+    zeros = torch.zeros(4, 5)
+    rewards, ends = kl_penalised_rewards(zeros, zeros, torch.tensor([1.0, 2.0, 3.0, 9.0]), START, action_mask,
+                                         kl_coef=0.1, clip=5.0, one_past=True)
+    # 2 + 3 + 1 = 6 cut to 5 (row 0's EOS is the last action), 2 + 2 + 1 = 5, 2 + 1 + 1 = 4, 6 cut to 5
+    assert ends.tolist() == [5, 5, 4, 5]
+    assert rewards[:, START:].tolist() == [[0, 0, 1], [0, 0, 2], [0, 3, 0], [0, 0, 5]]
+    # the value at the EOS (columns 5, 4, 3) where a row has one, else the last token
+    assert (end_index(SEQ, prompt_length=3, pad_is_eos=False) - 1).tolist() == [5, 4, 3, 5]
 
 
 def test_dschat_reward_model_reads_the_token_before_the_first_eos_after_the_prompt():
@@ -80,10 +100,13 @@ def test_dschat_clamps_values_in_the_model_dtype_before_the_upcast():
         1.4450415, abs=1e-6)
 
 
-def test_trlx_whitens_with_the_unbiased_variance_in_one_process():
-    # mean 2.5; unbiased variance 5/3 (the biased 1.25 would give +-1.3416 at the ends)
+def test_trlx_whitens_with_the_unbiased_variance_only_where_upstream_has_no_process_group():
+    # mean 2.5; without a process group (one process, no DeepSpeed) the unbiased variance 5/3
     assert whiten(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == pytest.approx(
         [-1.1618950, -0.3872983, 0.3872983, 1.1618950], abs=1e-6)
+    # with one (DeepSpeed starts it even for a single process): get_global_statistics' biased 1.25
+    assert whiten(torch.tensor([1.0, 2.0, 3.0, 4.0]), grouped=True).tolist() == pytest.approx(
+        [-1.3416408, -0.4472136, 0.4472136, 1.3416408], abs=1e-6)
 
 
 def _tiny_spec():
@@ -116,6 +139,55 @@ def test_coati_critic_starts_from_the_sft_backbone_with_a_fresh_head(tmp_path):
     for name, tensor in critic.model.state_dict().items():
         assert torch.equal(tensor, sft.state_dict()[f"transformer.{name}"]), name
     assert not torch.allclose(critic.value_head.weight, rm.value_head.weight)
+
+
+def test_coati_s_critic_keeps_nn_linear_s_head_and_only_the_reward_model_re_initialises_it():
+    """critic.py: `self.value_head = nn.Linear(hidden, 1)`, nothing more; reward_model.py re-draws the weight
+    normal with std 1 / (hidden + 1). Each head against the same draws made by hand from the same seed."""
+    from adapters.colossalai.models import Critic, RewardModel
+    from bench.run.models import build_backbone
+
+    model = _tiny_spec().model
+    hidden = model.hidden
+    torch.manual_seed(3)
+    critic = Critic(build_backbone(model))
+    torch.manual_seed(3)
+    build_backbone(model)
+    plain = torch.nn.Linear(hidden, 1)
+    assert torch.equal(critic.value_head.weight, plain.weight) and torch.equal(critic.value_head.bias, plain.bias)
+    torch.manual_seed(3)
+    reward = RewardModel(build_backbone(model))
+    torch.manual_seed(3)
+    build_backbone(model)
+    drawn = torch.nn.Linear(hidden, 1)
+    drawn.weight.data.normal_(mean=0.0, std=1 / (hidden + 1))
+    assert torch.equal(reward.value_head.weight, drawn.weight) and torch.equal(reward.value_head.bias, drawn.bias)
+
+
+def test_coati_s_sampler_ends_unfinished_rows_with_the_stop_token_and_never_samples_the_pad_id():
+    """coati/models/generation.py `_sample` (ColossalAI 2006339): at the last step a row not ending in the pad id is
+    overwritten with the stop tokens (train_ppo.py's template gives them; here the EOS). Upstream's pad id is the
+    EOS (train_ppo.py: pad_token = eos_token), so sampling it ends a row; the harness's pad differs from its EOS and
+    is masked instead (the declared deviation), so no row holds a pad before it ends. A forward that prefers the
+    pad id above all and never the EOS: every row runs to the end and ends in the EOS, with no pad inside it."""
+    from adapters.colossalai.generation import sample
+
+    vocab, eos, pad = 8, 2, 0
+
+    def forward(input_ids, **_):
+        logits = torch.zeros(input_ids.shape[0], input_ids.shape[1], vocab)
+        logits[..., pad] = 50.0  # the pad id is by far the likeliest
+        logits[..., eos] = -50.0  # the EOS practically never
+        return logits, None
+
+    prompts = torch.tensor([[pad, 5, 6], [4, 5, 6]])
+    mask = (prompts != pad).long()
+    torch.manual_seed(0)
+    seq, seq_mask = sample(forward, prompts, mask, max_length=8, eos_id=eos, pad_id=pad, temperature=0.7, top_k=3)
+    generated = seq[:, 3:]
+    assert generated.shape == (2, 5) and (generated[:, -1] == eos).all()
+    assert not (generated[:, :-1] == pad).any() and not (generated[:, :-1] == eos).any()
+    assert seq_mask[:, 3:].eq(1).all()
 
 
 def test_coati_critic_values_ignore_left_padding_with_the_actor_s_positions():

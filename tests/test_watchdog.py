@@ -70,6 +70,7 @@ def test_beats_keep_a_rank_alive_and_a_file_with_only_its_header_is_no_stall(tmp
     assert "since step 7" in (tmp_path / "stall-rank0.txt").read_text()
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_an_orphaned_rank_that_ignores_sigterm_still_ends_within_its_grace(tmp_path):
     """The rank's parent dies: the kernel sends SIGTERM (PR_SET_PDEATHSIG), which this rank ignores as a rank
     blocked in a C call would; the lifeline ends it ORPHAN_GRACE_S later (2 s here) with its stacks."""
@@ -101,6 +102,7 @@ def test_an_orphaned_rank_that_ignores_sigterm_still_ends_within_its_grace(tmp_p
     assert "orphan_waits_here" in stall.text
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_process_a_test_starts_that_stalls_is_reported_with_its_last_progress_and_stacks():
     # a diagnostic script's rank started outside the launcher (scripts/diagnostic_rank.py): its stall file goes
     # to the folder run_tree gives it, and run_tree's failure carries the report
@@ -120,6 +122,7 @@ def test_a_process_a_test_starts_that_stalls_is_reported_with_its_last_progress_
     assert "in stuck_in_training" in str(failed.value)
 
 
+@pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_process_a_test_starts_that_outlives_its_timeout_dumps_its_stacks_before_the_kill():
     code = textwrap.dedent("""
         import faulthandler, signal, sys, time

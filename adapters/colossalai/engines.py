@@ -16,6 +16,7 @@ import torch
 from adapters.colossalai import schedule
 from adapters.colossalai.lora import convert_to_lora
 from adapters.colossalai.models import Critic, RewardModel
+from adapters.colossalai.options import bucket_in_mi
 from adapters.comm_knobs import deepspeed_comm
 from adapters.lora_targets import suffixes
 from bench.run.models import backbone_prefix, build_backbone, build_causal_lm, count_params, set_dropout
@@ -37,10 +38,10 @@ class Engines:
                 kwargs["overlap_communication"] = False
             if "overlap_comm" in comm:
                 kwargs["overlap_communication"] = comm["overlap_comm"]
-            if "reduce_bucket_size" in comm:  # coati counts its bucket in Mi values: the nearest, at least 1
+            if "reduce_bucket_size" in comm:  # coati counts its bucket in Mi values
                 low_level = self.plugin.cls == "LowLevelZeroPlugin"
                 bucket = "reduce_bucket_size_in_m" if low_level else "zero_bucket_size_in_m"
-                kwargs[bucket] = max(1, round(comm["reduce_bucket_size"] / 2**20))
+                kwargs[bucket] = bucket_in_mi(comm["reduce_bucket_size"])
         if custom_policy is not None:
             kwargs["custom_policy"] = custom_policy
         return getattr(plugins, self.plugin.cls)(**kwargs)
@@ -97,8 +98,11 @@ class Engines:
             optimizer = self._optimizer(model, lr)
             total = self.spec.steps[stage] if stage != "ppo" else self.options.ppo_optimizer_steps(self.spec)
             warmup = schedule.warmup_steps(self.options.warmup_steps, total)
-            scheduler = schedule.build_scheduler(optimizer, warmup, total)
-            note = f"LR schedule: CosineAnnealingWarmupLR, {warmup} warm-up of {total} steps, eta_min 0.1 x lr"
+            # train_ppo.py's critic scheduler takes eta_min = 0.1 x args.lr, the actor's rate
+            main = self.spec.stage_lr("actor") if role == "critic" else lr
+            scheduler = schedule.build_scheduler(optimizer, warmup, total, schedule.floor_share(lr, main))
+            note = (f"LR schedule: CosineAnnealingWarmupLR, {warmup} warm-up of {total} steps, eta_min 0.1 x lr "
+                    "(the critic's too: 0.1 x the actor's lr, as train_ppo.py)")
             if note not in self._notes:
                 self._notes.append(note)
         booster = self._booster_cls(plugin=plugin)

@@ -19,6 +19,7 @@ and trains only the LoRA weights (norms frozen).
 from __future__ import annotations
 
 from adapters.colossalai.lora_match import matched_layers
+from adapters.colossalai.options import bucket_in_mi
 from bench.plan.physics import Terms, peak, total
 from bench.plan.run_shape import (
     RunShape,
@@ -39,11 +40,11 @@ REDUCE_BUCKET_ELEMENTS = 12 * MI  # LowLevelZeroPlugin(reduce_bucket_size_in_m=1
 
 
 def reduce_bucket_elements(shape: RunShape) -> int:
-    """The plugin's reduce bucket: ds.reduce_bucket_size to the nearest whole Mi values (at least 1), as the
-    adapter hands it to the plugin, else the default."""
+    """The plugin's reduce bucket: ds.reduce_bucket_size in whole Mi values, as the adapter hands it to the
+    plugin (options.bucket_in_mi), else the default."""
     if shape.reduce_bucket is None:
         return REDUCE_BUCKET_ELEMENTS
-    return max(1, round(shape.reduce_bucket / MI)) * MI
+    return bucket_in_mi(shape.reduce_bucket) * MI
 
 
 def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:

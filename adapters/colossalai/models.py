@@ -1,5 +1,6 @@
 """ColossalChat's value models (coati/models/reward_model.py, critic.py): a transformer backbone plus a
-fresh linear value head. The reward model scores a sequence at its last attended token; the critic
+fresh linear value head, which the reward model re-initialises (normal, std 1 / (hidden + 1)) and the critic keeps
+as nn.Linear makes it. The reward model scores a sequence at its last attended token; the critic
 gives a value per token."""
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ class _ValueModel(nn.Module):
         super().__init__()
         self.model = backbone
         self.config = backbone.config  # shardformer policies read the root module's config
-        hidden = backbone.config.hidden_size
-        self.value_head = nn.Linear(hidden, 1)
-        self.value_head.weight.data.normal_(mean=0.0, std=1 / (hidden + 1))
+        self.value_head = nn.Linear(backbone.config.hidden_size, 1)  # nn.Linear's own initialisation (critic.py)
 
     def get_input_embeddings(self) -> nn.Module:  # shardformer's policy reads it from the root module
         return self.model.get_input_embeddings()
@@ -30,6 +29,11 @@ class _ValueModel(nn.Module):
 
 
 class RewardModel(_ValueModel):
+    def __init__(self, backbone: nn.Module) -> None:
+        super().__init__(backbone)
+        # reward_model.py re-initialises its head; critic.py keeps nn.Linear's
+        self.value_head.weight.data.normal_(mean=0.0, std=1 / (backbone.config.hidden_size + 1))
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self._hidden(input_ids, attention_mask)
         positions = torch.arange(input_ids.size(1), device=input_ids.device)

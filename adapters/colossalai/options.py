@@ -272,3 +272,9 @@ class ColossalOptions:
                     "(booster.execute_pipeline); its RM and PPO trainers call the models directly"
                 )
         return options
+
+
+def bucket_in_mi(values: int) -> int:
+    """ds.reduce_bucket_size as the plugins take it (`reduce_bucket_size_in_m`, `zero_bucket_size_in_m`): whole Mi
+    values (2^20), the nearest, at least 1."""
+    return max(1, round(values / 2**20))

@@ -22,7 +22,7 @@ import math
 import torch
 
 WARMUP_SHARE = 0.025  # train_sft.py / train_rm.py / train_ppo.py when --warmup_steps is not given
-ETA_MIN_SHARE = 0.1  # eta_min=0.1 * args.lr
+ETA_MIN_SHARE = 0.1  # eta_min=0.1 * args.lr: the actor's rate, for the critic's schedule too (train_ppo.py)
 
 UPSTREAM_DEFECT = {
     "id": "colossalai-0.5.0-cosine-warmup-lr-torch-2.13",
@@ -39,14 +39,22 @@ def warmup_steps(configured: int | None, total: int) -> int:
     return configured if configured is not None else int(WARMUP_SHARE * total)
 
 
-def cosine_warmup_factor(step: int, warmup: int, total: int) -> float:
+def floor_share(lr: float, scripts_lr: float) -> float:
+    """eta_min over the optimizer's own base rate. Every script sets eta_min = 0.1 x args.lr, the rate of its
+    main model: train_ppo.py gives the critic's scheduler (base rate --critic_lr) the actor's floor too."""
+    return ETA_MIN_SHARE * scripts_lr / lr
+
+
+def cosine_warmup_factor(step: int, warmup: int, total: int, floor: float = ETA_MIN_SHARE) -> float:
     """The rate at optimizer step `step` (0-based) over the base rate: (step + 1) / warmup during the warm-up,
-    then a cosine from 1 at `warmup` to ETA_MIN_SHARE at `total` (and back up after it, as torch's cosine)."""
+    then a cosine from 1 at `warmup` to `floor` (eta_min over the base rate) at `total` (and back up after it, as
+    torch's cosine)."""
     if step < warmup:
         return (step + 1) / warmup
     progress = (step - warmup) / max(1, total - warmup)
-    return ETA_MIN_SHARE + (1 - ETA_MIN_SHARE) * (1 + math.cos(math.pi * progress)) / 2
+    return floor + (1 - floor) * (1 + math.cos(math.pi * progress)) / 2
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int) -> torch.optim.lr_scheduler.LambdaLR:
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_warmup_factor(step, warmup, total))
+def build_scheduler(optimizer: torch.optim.Optimizer, warmup: int, total: int, floor: float = ETA_MIN_SHARE
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: cosine_warmup_factor(step, warmup, total, floor))

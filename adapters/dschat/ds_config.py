@@ -7,6 +7,9 @@ from typing import Any
 from adapters.dschat.options import DSChatOptions
 from bench.run.spec import RunSpec
 
+# ds_utils.py's stage3_param_persistence_threshold (1e4): tensors of at most this many elements stay whole at ZeRO-3
+PERSISTENCE_THRESHOLD = 10_000
+
 
 def _precision(spec: RunSpec, options: DSChatOptions) -> dict[str, Any]:
     if spec.precision == "fp16":
@@ -33,7 +36,7 @@ def train_config(spec: RunSpec, options: DSChatOptions, world_size: int, overlap
     zero: dict[str, Any] = {
         "stage": stage,
         "overlap_comm": overlap_comm,
-        "stage3_param_persistence_threshold": 1e4,
+        "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
         "stage3_max_live_parameters": 3e7,
         "stage3_prefetch_bucket_size": 3e7,
         "memory_efficient_linear": False,
@@ -77,7 +80,7 @@ def eval_config(spec: RunSpec, options: DSChatOptions, world_size: int, trained_
         "steps_per_print": 10**9,
         "zero_optimization": {
             "stage": stage,
-            "stage3_param_persistence_threshold": 1e4,
+            "stage3_param_persistence_threshold": PERSISTENCE_THRESHOLD,
             "memory_efficient_linear": False,
         },
         "prescale_gradients": False,

@@ -18,7 +18,7 @@ import torch
 from adapters.comm_knobs import deepspeed_comm
 from adapters.dschat import ds_config, fp16_zero0, hybrid_engine, schedule
 from adapters.dschat.lora import UPSTREAM_LORA_SCALING, convert_to_lora, only_optimize_lora
-from adapters.dschat.options import lora_module_names
+from adapters.dschat.options import lora_module_names, pad_is_eos
 from adapters.dschat.reward_model import RewardModel
 from bench.run.models import build_backbone, build_causal_lm, set_dropout
 from bench.run.spec import UnsupportedError
@@ -86,7 +86,8 @@ class Engines:
         torch.manual_seed(self.spec.seed)
         with self._zero3(config):
             base = build_backbone(self.spec.model)
-            model = RewardModel(base, base.config.hidden_size, self.options.compute_fp32_loss)
+            model = RewardModel(base, base.config.hidden_size, self.options.compute_fp32_loss,
+                                pad_is_eos(self.spec.model.arch))
         if checkpoint:
             self._load(model, checkpoint, config)
         if dropout is not None:

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from adapters.base import Experience, Rollout
+from adapters.dschat.options import pad_is_eos
 from adapters.rl_math import gather_log_probs, masked_mean, position_ids
 from bench.run.data import EOS, PAD, PromptBatch, pad_is_eos_mask
 
@@ -56,9 +57,10 @@ class ExperienceMaker:
 
     @torch.no_grad()
     def make_experience(self, rollout: Rollout) -> Experience:
-        # generate_experience's `seq.not_equal(pad_token_id)`, the pad being the EOS: the EOS action leaves both
-        # losses, and the reward model reads the token before it
-        seq, mask = rollout.sequences, pad_is_eos_mask(rollout.sequences)
+        # generate_experience's `seq.not_equal(pad_token_id)`: where the pad is the EOS the EOS action leaves both
+        # losses and the reward model reads the token before it; a Llama tokenizer's own [PAD] keeps it in
+        seq = rollout.sequences
+        mask = pad_is_eos_mask(seq) if pad_is_eos(self.spec.model.arch) else (seq != PAD).long()
         positions = position_ids(mask)
         output = self.engines["actor"](input_ids=seq, attention_mask=mask, position_ids=positions)
         output_ref = self.engines["ref"](input_ids=seq, attention_mask=mask, position_ids=positions)

@@ -23,6 +23,7 @@ from adapters.deepspeed_memory import (
     resident_buffers,
     zero3_kept_gathered,
 )
+from adapters.dschat.ds_config import PERSISTENCE_THRESHOLD
 from bench.plan.physics import ALL_LORA_LAYERS, Terms, peak
 from bench.plan.run_shape import (
     RunShape,
@@ -53,10 +54,6 @@ def role_params(shape: RunShape, role: str, lora: int) -> tuple[int, int]:
     if shape.options.get("only_optimize_lora"):  # --only_optimize_lora: the factors alone train
         return params + added, added
     return params + added, params + added - arch.block_weights(targets)
-
-
-# ds_utils.get_train_ds_config's stage3_param_persistence_threshold: tensors of at most this many elements stay whole
-PERSISTENCE_THRESHOLD = 10_000
 
 
 def kept_gathered(shape: RunShape, role: str) -> Terms:

@@ -28,6 +28,12 @@ FAMILY_MODULE_NAME = {"gpt2": "h."}
 LLAMA_MODULE_NAME = "layers."
 
 
+def pad_is_eos(arch: str) -> bool:
+    """Whether DS-Chat's tokenizer pads with its EOS: dschat/utils/utils.py `get_tokenizer` sets pad = EOS for
+    every model path but a Llama one ("llama" in the path), which gets a [PAD] token of its own."""
+    return arch != "llama"
+
+
 def lora_module_names(targets: tuple[str, ...] | None, default: str, arch: str = "gpt2") -> tuple[str, ...]:
     """The substrings that select `targets` (lora_targets meanings) the way DS-Chat's --*_lora_module_name does:
     one where a single substring selects exactly those modules (the default for all of them, the attention

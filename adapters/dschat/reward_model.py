@@ -12,21 +12,25 @@ from adapters.rl_math import position_ids
 from bench.run.data import EOS, PAD
 
 
-def end_index(input_ids: torch.Tensor, prompt_length: int = 0) -> torch.Tensor:
+def end_index(input_ids: torch.Tensor, prompt_length: int = 0, pad_is_eos: bool = True) -> torch.Tensor:
     """Per row, the index of the first pad at or after `prompt_length` (the sequence's width if none), as
-    RewardModel.forward / forward_value find it (`input_id[prompt_length:] == self.PAD_ID`); DS-Chat's pad id is
-    its EOS id, so the first EOS counts as that pad and the score is read one token before it."""
-    tail = (input_ids[:, prompt_length:] == PAD) | (input_ids[:, prompt_length:] == EOS)
+    RewardModel.forward / forward_value find it (`input_id[prompt_length:] == self.PAD_ID`). Where DS-Chat's pad
+    id is its EOS id (`pad_is_eos`: every tokenizer but Llama's), the first EOS counts as that pad and the score is
+    read one token before it; with Llama's own [PAD] it is read at the EOS."""
+    tail = input_ids[:, prompt_length:] == PAD
+    if pad_is_eos:
+        tail = tail | (input_ids[:, prompt_length:] == EOS)
     found = tail.any(1)
     return torch.where(found, tail.long().argmax(1) + prompt_length, torch.full_like(found, input_ids.shape[1],
                                                                                      dtype=torch.long))
 
 
 class RewardModel(nn.Module):
-    def __init__(self, base: nn.Module, hidden: int, compute_fp32_loss: bool = False) -> None:
+    def __init__(self, base: nn.Module, hidden: int, compute_fp32_loss: bool = False, pad_is_eos: bool = True) -> None:
         super().__init__()
         self.config = base.config
         self.compute_fp32_loss = compute_fp32_loss
+        self.pad_is_eos = pad_is_eos  # the tokenizer's pad id is its EOS (options.pad_is_eos)
         self.rwtransformer = base
         self.v_head = nn.Linear(hidden, 1, bias=False)
 
@@ -51,7 +55,7 @@ class RewardModel(nn.Module):
         chosen_ids, rejected_ids = input_ids[:pairs], input_ids[pairs:]
         chosen_v, rejected_v = values[:pairs], values[pairs:]
         losses, chosen_end, rejected_end = [], [], []
-        c_ends, r_ends = end_index(chosen_ids), end_index(rejected_ids)
+        c_ends, r_ends = end_index(chosen_ids, 0, self.pad_is_eos), end_index(rejected_ids, 0, self.pad_is_eos)
         for i in range(pairs):
             c_ind, r_ind = int(c_ends[i]), int(r_ends[i])
             diverged = (chosen_ids[i] != rejected_ids[i]).nonzero()
@@ -75,5 +79,5 @@ class RewardModel(nn.Module):
         values = self.values(input_ids, attention_mask)
         if prompt_length is None:
             return {"values": values}
-        ends = end_index(input_ids, prompt_length)
+        ends = end_index(input_ids, prompt_length, self.pad_is_eos)
         return {"values": values, "chosen_end_scores": values.gather(1, (ends - 1)[:, None]).squeeze(1)}

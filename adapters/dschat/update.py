@@ -104,7 +104,7 @@ class Update:
         old_values = p["values"].clone()
         with torch.no_grad():
             rewards, ends = kl_penalised_rewards(p["log_probs"], p["ref_log_probs"], p["score"], start, action_mask,
-                                                 ppo.kl_ctl, ppo.clip_reward_value, eos_is_pad=True)
+                                                 ppo.kl_ctl, ppo.clip_reward_value, one_past=True)
             for j in range(rewards.shape[0]):
                 old_values[j, int(ends[j]):] = 0
                 rewards[j, int(ends[j]):] = 0

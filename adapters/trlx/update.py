@@ -141,8 +141,10 @@ class Update:
         values = values[:, :-1][:, start:start + length]
         self._dtypes.update({"update/log_probs": str(log_probs.dtype), "update/values": str(values.dtype)})
         response_mask = mask[:, start + 1:start + 1 + length].to(values.dtype)
-        loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, micro["log_probs"], old_values, whiten(advantages),
-                                           returns, response_mask, ppo)
+        # upstream's process group: more than one process, or DeepSpeed (trlx's ZeRO configs) for one
+        grouped = self.ctx.world_size > 1 or self.spec.zero >= 1
+        loss, pg_loss, vf_loss = _ppo_loss(log_probs, values, micro["log_probs"], old_values,
+                                           whiten(advantages, grouped), returns, response_mask, ppo)
         self._backward_step(loss, out)
         out.metrics.update(policy_loss=float(pg_loss), value_loss=float(vf_loss))
         out.tokens += int((tokens != PAD).sum())
@@ -166,14 +168,17 @@ def collate(elements: list[PPOElement]) -> dict[str, torch.Tensor]:
             "query_width": torch.full((len(elements),), queries.shape[1])}
 
 
-def whiten(x: torch.Tensor) -> torch.Tensor:
-    """trlx's whiten (mean shifted out). Across ranks it takes get_global_statistics' mean and biased variance;
-    in one process (where accelerate starts no process group) torch.var_mean's unbiased variance."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
+def whiten(x: torch.Tensor, grouped: bool = False) -> torch.Tensor:
+    """trlx's whiten (mean shifted out, `distributed=True`), whose branch is whether a process group exists
+    (`dist.is_initialized()`). `grouped`: upstream's run would have one, with more than one process or under
+    DeepSpeed, which starts one for a single process too: get_global_statistics' mean and biased variance.
+    Without (accelerate's single-process run without DeepSpeed starts none): torch.var_mean's unbiased variance."""
+    if not grouped:
         var, mean = torch.var_mean(x)
         return (x - mean) * torch.rsqrt(var + 1e-8)
     stats = torch.tensor([x.sum(), (x * x).sum(), x.numel()], dtype=torch.float64, device=x.device)
-    dist.all_reduce(stats)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(stats)
     mean = stats[0] / stats[2]
     var = stats[1] / stats[2] - mean**2
     return ((x - mean) * torch.rsqrt(var.clamp(min=0) + 1e-8)).to(x.dtype)

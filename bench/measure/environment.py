@@ -125,17 +125,9 @@ def host() -> dict[str, Any]:
             "type": f"{cpu} x {cores}, {memory / 2**30:.0f} GiB, {'+'.join(isa) or 'no native 16-bit matrix ISA'}"}
 
 
-def environment(device_type: str, world_size: int) -> dict[str, Any]:
-    """Collected by rank 0 of each run (it knows the device and the rank count)."""
-    import torch
-
-    gpu = None
-    if device_type == "cuda" and torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        gpu = {"name": props.name, "memory_bytes": props.total_memory, "count": torch.cuda.device_count(),
-               "cuda": torch.version.cuda, "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
-               # what the user had set where the launcher made it readable to DeepSpeed (launcher.deepspeed_arch_list)
-               "arch_list_given": os.environ.get("RLHF_BENCH_ARCH_LIST_GIVEN")}
+def provenance() -> dict[str, Any]:
+    """What every record carries, a run or a cell refused before launch alike: the code (commit, dirty state),
+    the libraries, the host (its type and native matrix instructions). Imports no torch."""
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -146,6 +138,22 @@ def environment(device_type: str, world_size: int) -> dict[str, Any]:
         "cpu": _cpu_model(),
         "cpu_count": os.cpu_count(),
         "host_memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+    }
+
+
+def environment(device_type: str, world_size: int) -> dict[str, Any]:
+    """Collected by rank 0 of each run (it knows the device and the rank count): the provenance, the device."""
+    import torch
+
+    gpu = None
+    if device_type == "cuda" and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"name": props.name, "memory_bytes": props.total_memory, "count": torch.cuda.device_count(),
+               "cuda": torch.version.cuda, "arch_list": os.environ.get("TORCH_CUDA_ARCH_LIST"),
+               # what the user had set where the launcher made it readable to DeepSpeed (launcher.deepspeed_arch_list)
+               "arch_list_given": os.environ.get("RLHF_BENCH_ARCH_LIST_GIVEN")}
+    return {
+        **provenance(),
         "gpu": gpu,
         "device": device_type,
         "world_size": world_size,

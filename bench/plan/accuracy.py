@@ -84,10 +84,13 @@ def in_selection(config: Mapping[str, Any], selection: Mapping[str, Any]) -> boo
     return True
 
 
-def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
+def comparisons(records: Mapping[str, dict[str, Any]], unreadable: dict[str, str] | None = None
+                ) -> list[Comparison]:
     """One entry per measured phase of every successful stage of a run that is not a forced failure and
     whose framework has a memory model. Phases without a host or device figure (an unmeasured, bounded
-    run of the memory tracker) and the `imports` phase (the baseline itself) are left out."""
+    run of the memory tracker) and the `imports` phase (the baseline itself) are left out. A successful run whose
+    configuration no longer reads as a run specification is left out too, and named with why in `unreadable`
+    (where given) so that the caller says how many."""
     out = []
     for run, record in sorted(records.items()):
         config = record.get("config") or {}
@@ -95,7 +98,9 @@ def comparisons(records: Mapping[str, dict[str, Any]]) -> list[Comparison]:
             continue
         try:
             spec = spec_from_config({**config, "init": {}})
-        except (SpecError, KeyError, TypeError):
+        except (SpecError, KeyError, TypeError) as err:
+            if unreadable is not None:
+                unreadable[run] = f"{type(err).__name__}: {err}"
             continue
         device = (record.get("environment") or {}).get("device") or "cpu"
         for stage, result in record.get("stages", {}).items():
@@ -136,12 +141,14 @@ class Accuracy:
                    within=sum(abs(c.error) <= tolerance for c in rows))
 
 
-# How far a figure is from what the calibration was fitted on, most out-of-sample first: a configuration the fit
-# never saw (predicted by a fit without it), a model it never saw, the fitted configurations at other seeds (the
-# same code path again: close to in-sample), configurations outside the selection, and the fitted runs themselves.
+# How far a figure is from what the calibration was fitted on, furthest first: each fitted configuration predicted
+# by offsets fitted without it (cross-validated offsets; the physics and the offsets' form were tuned on these same
+# records, so this is not out of sample), a model the physics and the fit never saw (out of sample), the fitted
+# configurations at other seeds (the same code path again: close to in-sample), configurations outside the
+# selection, and the fitted runs themselves.
 LEAVE_ONE_OUT, OTHER_MODEL, OTHER_SEEDS, OTHER_CONFIG, FITTED = (
-    "leave one configuration out", "other model", "same configuration, other seeds", "configuration not fitted",
-    "fitted")
+    "cross-validated offsets (physics tuned on these runs)", "other model (out of sample)",
+    "same configuration, other seeds", "configuration not fitted", "fitted")
 SPLITS = (LEAVE_ONE_OUT, OTHER_MODEL, OTHER_SEEDS, OTHER_CONFIG, FITTED)
 
 

@@ -190,8 +190,12 @@ def main(argv: list[str] | None = None) -> int:
         console.print(str(error), style="red", markup=False)  # the value's brackets are text, not markup
         return 2
     records = _records(args.root)
-    rows = comparisons(records)  # with the calibration now in place; physics is what the fit reads
+    unreadable: dict[str, str] = {}
+    rows = comparisons(records, unreadable)  # with the calibration now in place; physics is what the fit reads
     source = " + ".join(args.root)
+    if unreadable:
+        console.print(f"{len(unreadable)} successful run(s) left out: their configuration no longer reads as a "
+                      f"run specification (first: {min(unreadable)}, {unreadable[min(unreadable)]})", markup=False)
     if not rows:
         console.print(f"[red]no successful run of a framework with a memory model under {source}[/red]")
         return 2

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from bench.plan.cluster import GPUS, Layout, Role, Workload, resident, training
+from bench.plan.cluster import GPUS, SAFETY, Layout, Role, Workload, resident, training
 from bench.plan.physics import Arch
 
 GIB = 2 ** 30
@@ -97,9 +97,10 @@ def _describe(setting: Setting) -> str:
     return ", ".join(parts)
 
 
-def fits_device(setting: Setting, gpu: str, share: float = 1.0) -> tuple[str, str]:
+def fits_device(setting: Setting, gpu: str, share: float = SAFETY) -> tuple[str, str]:
     """Whether the stated configuration's bound fits `share` of a GPU's memory as torch reports it
-    (bench.plan.cluster.GPUS: total_memory, somewhat below the card's nominal size)."""
+    (bench.plan.cluster.GPUS: total_memory, somewhat below the card's nominal size): by default the share a plan
+    or a run may fill, as every claim judged against a card uses."""
     card = GPUS[gpu]
     bound, usable = lower_bound(setting), share * card.total_memory_bytes
     verdict = CONSISTENT if bound <= usable else IMPLAUSIBLE

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from bench.plan.model_state import zero2_step_bytes
+from bench.plan.model_state import DEEPSPEED_BUCKET, zero2_step_bytes
 from bench.plan.physics import (
     Arch,
     Terms,
@@ -37,7 +37,7 @@ ROLES = ("actor", "critic", "reference", "reward")
 ROLE_PHASES = {"actor": PHASES, "critic": ("inference", "training"), "reference": ("inference",),
                "reward": ("inference",)}
 TRAINED = ("actor", "critic")
-DEEPSPEED_BUCKET = 500_000_000  # reduce_bucket_size default (values)
+SAFETY = 0.9  # the share of a GPU's memory (torch's total_memory) a plan or a run may fill: the rest is headroom
 MASTER_AND_MOMENTS = 12  # fp32 master weights, Adam's two moments: bytes per trained parameter
 OFFLOADED_GRADS = 4  # ZeRO-Offload keeps an fp32 gradient per trained parameter on the host
 LORA_TRAINS = ("factors", "unwrapped")
@@ -87,7 +87,7 @@ class Cluster:
     inter_node_gbps: float = 25.0  # per-GPU bandwidth across nodes (200 Gb/s InfiniBand), GB/s
     pcie_gbps: float = 16.0  # host <-> GPU, for offload
     mfu: float = 0.4  # achievable share of the peak in dense compute
-    safety: float = 0.9  # plans must stay under this share of the device
+    safety: float = SAFETY  # plans must stay under this share of the device
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):

@@ -23,7 +23,7 @@ import yaml
 
 from adapters import registry
 from bench.plan import plan_file
-from bench.plan.cluster import GPUS
+from bench.plan.cluster import GPUS, SAFETY
 from bench.run.spec import UnsupportedError
 
 FACTS_DIR = os.path.join(os.path.dirname(plan_file.CONF_MODEL_DIR), "facts")
@@ -184,10 +184,11 @@ def markdown(verdicts: list[Verdict]) -> str:
 
 def gpu_markdown() -> str:
     """The GPU table docs/published-facts.md shows: each card's memory as torch reports it, and where from."""
-    lines = ["| GPU | nominal | total_memory (torch), GiB | limit at 90 %, GiB | read from |", "|---|---|---|---|---|"]
+    lines = [f"| GPU | nominal | total_memory (torch), GiB | limit at {SAFETY * 100:g} %, GiB | read from |",
+             "|---|---|---|---|---|"]
     for gpu in GPUS.values():
         lines.append(f"| {gpu.name} | {gpu.memory_gb:g} GB | {gpu.total_memory_gib:.2f} | "
-                     f"{0.9 * gpu.total_memory_gib:.2f} | {gpu.memory_source} |")
+                     f"{SAFETY * gpu.total_memory_gib:.2f} | {gpu.memory_source} |")
     return "\n".join(lines) + "\n"
 
 

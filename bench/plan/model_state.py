@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEEPSPEED_BUCKET = 500_000_000  # DeepSpeed's reduce_bucket_size default (values); DS-Chat and trlx leave it
 ADAM_K = 12  # bytes of optimizer state per parameter in the ZeRO paper: fp32 master + momentum + variance
 ZERO_STAGES = (0, 1, 2, 3)
 

@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from bench.plan.cluster import SAFETY
 from bench.plan.predict import predict_stage
 from bench.run.spec import RunSpec
 
-SAFETY = 0.9
 GiB = 2 ** 30
 
 

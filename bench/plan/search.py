@@ -68,9 +68,6 @@ class GroupResult:
     def peak(self) -> float:
         return max(t.device for t in self.phases.values())
 
-    def worst_phase(self) -> str:
-        return max(self.phases, key=lambda p: self.phases[p].device)
-
 
 @dataclass
 class Plan:

@@ -155,6 +155,9 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
             evidence.append(f"{framework}: cannot run this mode (unsupported: {reason}; {len(runs)} runs)")
             continue
         fitting = [r for r in runs if _fits(r, budget)]
+        # runs the framework refused (a knob it cannot run) neither fit nor failed to: counted apart
+        refused_here = sum(r["status"] == "unsupported" for r in runs)
+        tried = len(runs) - refused_here
         if not fitting:
             evidence.append(f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)")
             continue
@@ -178,7 +181,8 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
         trained = f"; {trainable / 1e6:,.2f} M parameters train" if trainable else ""
         evidence.append(f"{framework}: fastest fitting config {candidate.config}: measured {measured.median:.3f} "
                         f"samples/s per rank, {interval}{derived}{trained}; peak {candidate.peak_bytes / MIB:,.0f} "
-                        f"MiB; {steps} timed steps ({len(fitting)} of {len(runs)} runs fit and stayed stable)")
+                        f"MiB; {steps} timed steps ({len(fitting)} of {tried} runs fit and stayed stable"
+                        + (f"; {refused_here} more refused as unsupported" if refused_here else "") + ")")
         evidence += [f"{framework}: faster but unrepeated, not a candidate: {_config_text(cell)}: measured "
                      f"{cell_speed(cell)[0].median:.3f} samples/s per rank (n={len(cell)} < {MIN_REPEATS})"
                      for cell in faster]

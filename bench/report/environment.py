@@ -67,9 +67,3 @@ def nodes_rows(records: dict[str, dict[str, Any]]) -> list[list[str]]:
                              node.get("why") or "finished"])
     return rows
 
-
-def machine_words(rows: list[dict[str, Any]]) -> str:
-    """The hardware in a few words for captions: host types and devices."""
-    hosts = sorted({r.get("host_type") or "unknown host" for r in rows})
-    devices = sorted({r.get("device") or "?" for r in rows})
-    return f"{'; '.join(hosts)} (device {', '.join(devices)})"

@@ -139,6 +139,15 @@ def _bars(ax: Any, panel: Panel, scale: float) -> None:
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 
 
+def _knob_label(knob: str, rows: Rows) -> str:
+    """The axis's label; LoRA rank 0 is full fine-tuning except for a framework that freezes part of the model
+    without LoRA (trlx's hydra policy: finetune `partial`), whose bars at 0 the label names."""
+    partial = sorted({r["framework"] for r in rows if not r["lora"] and r.get("finetune") == "partial"})
+    if knob != "lora" or not partial:
+        return KNOB_LABEL[knob]
+    return f"LoRA rank (0 = no LoRA: full fine-tuning;\n{', '.join(partial)} at 0: partial freezing, top blocks only)"
+
+
 def memory_by(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figure]:
     """Growth over the post-import baseline (MiB, max over ranks and the phases after imports) against `knob`,
     one cell per bar, bars from 0."""
@@ -150,7 +159,7 @@ def memory_by(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figur
     fig, axes = plt.subplots(1, len(panels), figsize=(5.2 * len(panels), 3.8), squeeze=False)
     for ax, (stage, panel) in zip(axes[0], panels.items(), strict=True):
         _bars(ax, panel, MIB)
-        ax.set_xlabel(KNOB_LABEL[knob])
+        ax.set_xlabel(_knob_label(knob, [r for r in ok if r["stage"] == stage]))
         ax.set_ylabel("growth over post-import baseline, MiB\n(max over ranks and phases after imports)", fontsize=8)
         _title(ax, f"{stage}: {panel.fixed}")
     return [Figure(_save(fig, directory, f"memory_by_{knob}"),
@@ -158,7 +167,15 @@ def memory_by(rows: Rows, cells: Cells, directory: str, knob: str) -> list[Figur
                    "max over ranks and the phases after imports, host RSS on a CPU / device memory on a GPU. Each bar "
                    "is one cell (the panel's title names the configuration they share; only the framework and the "
                    "knob differ): its median over the cell's repeats, whisker = min to max, n above it. A cell that "
-                   "ran but did not finish is named by its status at the bar's place.")]
+                   "ran but did not finish is named by its status at the bar's place." + _partial_note(knob, ok))]
+
+
+def _partial_note(knob: str, rows: Rows) -> str:
+    partial = sorted({r["framework"] for r in rows if not r["lora"] and r.get("finetune") == "partial"})
+    if knob != "lora" or not partial:
+        return ""
+    return (f" At LoRA rank 0 {', '.join(partial)} trains only part of its model (partial freezing: its hydra "
+            "policy's top blocks), so its bars there are not full fine-tuning.")
 
 
 def _measured_rate(row: dict[str, Any]) -> float | None:
@@ -292,9 +309,17 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
     for framework in sorted({r["framework"] for r in chosen}):
         run = next(r["run"] for r in chosen if r["framework"] == framework)
         timeline = records[run]["stages"]["ppo"]["memory"]["timeline"]
-        points = sorted((s["step"] * len(phases) + phases.index(s["phase"]), s["peak_bytes"] / MIB) for s in timeline
-                        if s["peak_bytes"] is not None and s["step"] < steps)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", markersize=3, label=framework)
+        measured = {s["step"] * len(phases) + phases.index(s["phase"]): s["peak_bytes"] / MIB for s in timeline
+                    if s["peak_bytes"] is not None and s["step"] < steps}
+        # a slot not measured is a gap (NaN), so no line is drawn across it
+        slots = range(steps * len(phases))
+        ax.plot(list(slots), [measured.get(x, float("nan")) for x in slots], marker="o", markersize=3,
+                label=framework)
+    warmup = min((records[r["run"]].get("config") or {}).get("warmup_steps") or 0 for r in chosen)
+    if warmup:
+        ax.axvspan(-0.5, min(warmup, steps) * len(phases) - 0.5, color="grey", alpha=0.15, linewidth=0)
+        ax.text(-0.3, 0, f"warm-up ({warmup} step{'s' if warmup > 1 else ''}, untimed)", fontsize=6,
+                va="bottom")
     # the first step's ticks name its phases in full (rotated to fit); the later steps repeat the order
     ax.set_xticks(range(steps * len(phases)), [phases[i % len(phases)] if i // len(phases) == 0 else ""
                                                for i in range(steps * len(phases))], fontsize=6, rotation=60)
@@ -314,7 +339,8 @@ def ppo_memory_timeline(rows: Rows, records: dict[str, dict[str, Any]], cells: C
                    "absolute peak (MiB, max over ranks), y from 0. A phase with no point was not measured in that "
                    "step: it started above its own floor and the heap was not handed back first, so it records only "
                    "an upper bound (memory_release_every: the first two runs of a phase and at least one in every "
-                   "4 are measured).")]
+                   "4 are measured); the line breaks there rather than join its neighbours. The shaded steps are the "
+                   "warm-up, which the throughput figures leave out.")]
 
 
 Curves = dict[str, dict[str, list[list[float]]]]  # panel title -> cell label -> one curve per run
@@ -409,7 +435,26 @@ def reward_curves(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, 
                                  "reward_curves"),
                    "PPO reward (the RM's score of each rollout, mean over ranks) per step, one panel per framework; "
                    "per cell a line at the median over its runs, the band from min to max, the legend naming what "
-                   "sets the cell apart and its n; forced failures and cells of mixed provenance left out.")]
+                   "sets the cell apart and its n; forced failures and cells of mixed provenance left out."
+                   + _reward_model_note(rows, records))]
+
+
+def _reward_model_note(rows: Rows, records: dict[str, dict[str, Any]]) -> str:
+    """Where a cell's runs scored with different prerequisite reward models (each seed trains its own), its band
+    spans those models as well as PPO's run-to-run noise: say so, with their held-out accuracies."""
+    by_cell: dict[str, list[dict[str, Any]]] = {}
+    for r in trained(rows):
+        if r["stage"] == "ppo" and not is_forced_failure(r):
+            by_cell.setdefault(r["cell"], []).append((records[r["run"]].get("prerequisites") or {}).get("rm") or {})
+    mixed = {cell: rms for cell, rms in by_cell.items() if len({rm.get("checkpoint") for rm in rms}) > 1}
+    if not mixed:
+        return ""
+    accuracies = sorted({"/".join(f"{rm['accuracy_end']:.2f}" for rm in rms if rm.get("accuracy_end") is not None)
+                         for rms in mixed.values()} - {""})
+    return (f" In {len(mixed)} of {len(by_cell)} PPO cells each run scored with its own prerequisite reward model "
+            "(trained with the run's seed): those bands show reward-model differences as well as PPO's noise"
+            + (f" (the models' held-out accuracies, per cell: {'; '.join(accuracies)})" if accuracies else "")
+            + ".")
 
 
 def all_plots(rows: Rows, records: dict[str, dict[str, Any]], cells: Cells, directory: str) -> list[Figure]:

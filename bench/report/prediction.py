@@ -23,8 +23,18 @@ def _accuracy_row(framework: str, split: str, members: list[Comparison]) -> list
             f"{worst.error:+.1%} ({worst.stage} {worst.phase}, {worst.label})", f"{acc.within}/{acc.runs}"]
 
 
+def left_out(unreadable: dict[str, str]) -> str:
+    """What the accuracy could not count: successful runs whose configuration no longer reads as a run."""
+    if not unreadable:
+        return ""
+    run, why = next(iter(sorted(unreadable.items())))
+    return (f" Left out: {len(unreadable)} successful run(s) whose configuration no longer reads as a run "
+            f"specification (first: {run}, {why}).")
+
+
 def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
-    rows = comparisons(records)
+    unreadable: dict[str, str] = {}
+    rows = comparisons(records, unreadable)
     if not rows:
         return []
     by_split: dict[str, dict[str, list[Comparison]]] = {}
@@ -77,12 +87,15 @@ def prediction_table(records: dict[str, dict[str, Any]]) -> list[Table]:
               "precision and mmap threshold, none where no fit was measured under them; its batch share scaled by "
               "the run's tokens a micro-batch), the current model applied to every record's "
               "configuration. MAE = mean |predicted - measured| / measured, before (physics) and after calibration; "
-              f"within = figures within {TOLERANCE:.0%}. Splits, most out-of-sample first: leave one configuration "
-              "out (each fitted configuration predicted by a calibration fitted without it), other model (a model "
-              "the fit never saw), same configuration at other seeds (the fitted code path again: close to "
-              "in-sample), configuration not fitted, and fitted (the runs the calibration was fitted on). "
-              f"Calibration fitted on: {sources or 'none'}.")
-    return [Table("prediction_accuracy", "Memory model accuracy, out of sample first", method,
+              f"within = figures within {TOLERANCE:.0%}. Splits, furthest from the fit first: cross-validated "
+              "offsets (each fitted configuration predicted by offsets fitted without it; the physics and the "
+              "offsets' form were tuned on these same runs, so this is not out of sample), other model (a model the "
+              "physics and the fit never saw: out of sample), same configuration at other seeds (the fitted code "
+              "path again: close to in-sample), configuration not fitted, and fitted (the runs the calibration was "
+              "fitted on). The offsets are cross-validated over the records under this report's folder alone; "
+              "bench.plan.calibrate prints the stored calibration's own figures over every folder it was fitted on. "
+              f"Calibration fitted on: {sources or 'none'}.{left_out(unreadable)}")
+    return [Table("prediction_accuracy", "Memory model accuracy, furthest from the fit first", method,
                   ["framework", "split", "figures", "MAE physics", "MAE calibrated", "worst (its run)", "within"],
                   summary),
             Table("prediction", "Memory model: predicted vs measured, per phase and split",

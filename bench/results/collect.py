@@ -385,8 +385,12 @@ def _trained_params(result: dict[str, Any], count: str = "total") -> int | None:
     """Parameters of the trained models (those with optimizer state): the denominator of model-state bytes;
     `count` trainable: those of them that train (LoRA: its factors, and what else the framework leaves on)."""
     state, params = result.get("model_state") or {}, result.get("params") or {}
-    trained = [role for role, e in state.items()
-               if isinstance(e, dict) and any(e.get("optimizer_state_bytes_per_rank") or [])]
+    trained = {role for role, e in state.items()
+               if isinstance(e, dict) and any(e.get("optimizer_state_bytes_per_rank") or [])}
+    # PPO trains its critic beside the actor in every framework; TRL's one optimizer over both models
+    # (PolicyAndValueWrapper) books all of its DeepSpeed partitions to the actor, so its critic shows none of its own
+    if "actor" in trained and "critic" in state and (params.get("critic") or {}).get("trainable"):
+        trained.add("critic")
     return sum((params.get(role) or {}).get(count, 0) for role in trained) or None
 
 

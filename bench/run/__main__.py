@@ -21,6 +21,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from rich.console import Console
 
+from bench.measure.environment import provenance
 from bench.plan.plan_file import PlanError
 from bench.plan.preflight import PreflightRefusal, preflight, resolve_device
 from bench.results.record import ResultRecord, StageRecord, utc_now
@@ -44,7 +45,7 @@ def _write_outcome(run_dir: str, config: dict, status: str, message: str, phase:
     path = record_path(run_dir, node_of(config))
     os.makedirs(os.path.dirname(path), exist_ok=True)
     record = ResultRecord(run_id=os.path.basename(run_dir), config=config, status=status,
-                          error={"message": message, "phase": phase})
+                          error={"message": message, "phase": phase}, environment=provenance())
     for stage in STAGE_CHOICES.get(config["stage"]["name"], (config["stage"]["name"],)):
         record.stages[stage] = StageRecord(status=status, error=record.error)
     partial = read_record(path)
