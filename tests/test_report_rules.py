@@ -44,12 +44,15 @@ def test_runs_that_differ_in_a_non_column_key_are_separate_cells_and_the_table_n
     assert cells["a"] == cells["b"]  # seed and bookkeeping only: repeats
     assert len({cells["a"], cells["c"], cells["d"]}) == 3
     table = tables.memory_table(c.rows, c.cells)
-    other = table.header.index("other config")
-    shown = sorted(row[other] for row in table.rows)
-    assert shown == ["framework.optimizer=fused_adam lr=-", "framework.optimizer=fused_adam lr=0.001",
-                     "framework.optimizer=torch_adamw lr=-"]
-    runs = {row[other]: row[table.header.index("runs")] for row in table.rows}
-    assert runs["framework.optimizer=fused_adam lr=-"] == "2"
+    assert table.header[:2] == ["configuration", "peak MiB"]  # the label, then the measured figures
+    label = table.header.index("configuration")
+    shown = sorted(row[label] for row in table.rows)
+    # the keys every row shares are in the caption; a key unset in a row is left out of its label
+    assert shown == ["framework.optimizer=fused_adam", "framework.optimizer=fused_adam lr=0.001",
+                     "framework.optimizer=torch_adamw"]
+    assert table.caption.startswith("Every row: framework=dschat, stage=ppo, model=glm-base, precision=bf16, zero=2")
+    runs = {row[label]: row[table.header.index("runs")] for row in table.rows}
+    assert runs["framework.optimizer=fused_adam"] == "2"
 
 
 def test_lengths_steps_and_device_split_cells(tmp_path):
@@ -87,7 +90,7 @@ def test_a_forced_divergence_is_no_evidence_for_a_claim_but_shows_in_the_stabili
     assert _verdict(c, "A10")[0] == NOT_MEASURED  # old behaviour: "supported" from a run broken on purpose
     table = tables.stability_table(c.rows, c.cells)
     assert table.rows[0][table.header.index("evidence")] == "no (forced failure)"
-    assert table.rows[0][table.header.index("tags")] == "forced-failure"
+    assert "tags=forced-failure" in table.caption  # the one row's tag, shared by every row, is stated once
 
 
 def test_stability_is_grouped_by_stage_and_configuration(tmp_path):
@@ -551,3 +554,22 @@ def test_figures_say_where_lora_0_is_partial_freezing_and_where_seeds_had_their_
     assert "0.25/0.75/0.25" in note
     shared = {run: {"prerequisites": {"rm": {"checkpoint": "rm.pt", "accuracy_end": 0.5}}} for run in records}
     assert plots._reward_model_note(ppo, shared) == ""
+
+
+def test_the_claims_live_in_the_project_with_a_check_each_and_the_docs_page_lists_them(tmp_path):
+    """conf/claims.yaml holds every claim the report states, each with its article and what that article
+    published; every claim has a check and every check a claim; docs/published-claims.md shows the file as it is;
+    a claim naming an article the file does not have is refused by name."""
+    from bench.report import claims_data
+
+    sources, stated = claims_data.load()
+    assert {c.id for c in stated} == {claim_id for claim_id, _ in claims.CHECKS}
+    assert {c.source for c in stated} == set(sources) == {"A", "B"}
+    assert all(c.published and c.statement for c in stated)
+    with open(ROOT / "docs" / "published-claims.md") as f:
+        assert claims_data.markdown() in f.read(), "regenerate the page's tables from claims_data.markdown()"
+    bad = tmp_path / "claims.yaml"
+    bad.write_text("sources: {A: {title: t, kind: k, setting: s}}\n"
+                   "claims: [{id: X1, source: C, statement: s, published: p}]\n")
+    with pytest.raises(ValueError, match=r"unknown sources \['C'\]; allowed: \['A'\]"):
+        claims_data.load(str(bad))

@@ -120,8 +120,8 @@ def test_a_cell_of_mixed_provenance_is_flagged_and_refused(tmp_path, commits, re
     dschat = [r for r in c.rows if r["framework"] == "dschat"]
     assert {r["mixed"] for r in dschat} == {reason} and all(r["refused"] for r in dschat)
     table = memory_table(c.rows, c.cells)
-    flags = {row[table.header.index("framework")]: row[table.header.index("provenance")] for row in table.rows}
-    assert flags == {"dschat": f"mixed: {reason}", "colossalai": "-"}
+    flags = {row[table.header.index("configuration")]: row[table.header.index("provenance")] for row in table.rows}
+    assert flags == {"framework=dschat": f"mixed: {reason}", "framework=colossalai": "-"}
     verdict, evidence = _verdict(c, "A3")
     assert verdict == claims.NOT_MEASURED and "1 cell(s) of mixed provenance left out" in evidence
     leaf = _leaves(c)[("glm-base", "2", "bf16", "full fine-tuning")]

@@ -2,7 +2,7 @@
 
 Pure arithmetic on the blocks of bench.run.families: GPT-2's (pre-LN, fused QKV h -> 3h, attention output
 h -> h, a 4h GELU MLP, biases, tied input/output embedding, learned positions: the GLM stand-in the adapters
-build, and GLM-10B's own block, ../shared/reference/memory-and-stability.md section 8), and the Llama-style
+build, and GLM-10B's own block, conf/model/glm-10b.yaml from THUDM/glm-10b's config.json), and the Llama-style
 ones (RMSNorm, rotary positions, grouped-query attention, a SwiGLU MLP, an untied head). Activations follow
 Korthikanti et al. 2022 (per layer s*b*h*(34 + 5*a*s/h) bytes at 16 bits; with tensor parallelism t:
 s*b*h*(10 + 24/t + 5*a*s/(h*t)); with full recomputation only the layer input, 2*s*b*h). The figures are

@@ -15,7 +15,8 @@ from typing import Any
 from bench.results.collect import CONFIG_COLUMNS
 
 CELL_COLUMNS = tuple(c for c in CONFIG_COLUMNS if c != "seed")
-# Cell keys never shown as "other config": the main columns show them, or they follow from one that is.
+# Cell keys never added to a row's configuration label as "other" keys: the main keys show them, or they follow
+# from one that is.
 IMPLIED_KEYS = ("stage_row", "stage.name", "stage.stages", "framework.name", "model.name", "precision", "zero",
                 "lora", "batch", "launcher.nproc", "tp", "pp", "plugin", "offload", "grad_ckpt", "reference.quant",
                 "reward.quant")

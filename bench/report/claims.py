@@ -1,4 +1,4 @@
-"""The claims check: the published claims of shared/reference/published-claims.md, each marked
+"""The claims check: the published claims of conf/claims.yaml (docs/published-claims.md), each marked
 supported / contradicted / not measurable at this scale / not measured in this sweep, with evidence.
 
 Claims are measured as they are stated, on whatever the sweep ran; a verdict on the tiny CPU model
@@ -16,6 +16,7 @@ from typing import Any
 from bench.plan import claims_arithmetic as arithmetic
 from bench.plan import plan_file
 from bench.plan.physics import Arch
+from bench.report import claims_data
 from bench.report.aggregate import MIN_REPEATS, Stat, stat
 from bench.report.pairs import FEW, HIGHER, LOWER, TIE_, compare, describe, matched_sets, tied
 from bench.results.collect import FORCED_FAILURE, YARDSTICK, is_forced_failure, tags_of
@@ -544,7 +545,7 @@ def _unmeasurable(reason: str) -> Callable[[Rows, Records, Cells], tuple[str, st
 
 
 GPU_ONLY = "needs the GPU cluster it describes"
-# The settings the articles state (published-claims.md): GLM-10B on 8 x A100 at ZeRO-2, batch 4, sequence 512;
+# The settings the articles state (conf/claims.yaml): GLM-10B on 8 x A100 at ZeRO-2, batch 4, sequence 512;
 # plan B's "8B model" on 8 nodes x 8 GPUs x 40 GB, read as a GLM-shaped 8 B model (h 4096, 40 layers).
 _GLM10B = plan_file.arch_of("glm-10b")[1]
 _EIGHT_B = Arch(hidden=4096, layers=40, heads=32, vocab=50304, positions=1024)
@@ -609,55 +610,46 @@ def _dtype_a100(rows: Rows, records: Records, cells: Cells) -> tuple[str, str]:
     return verdict, f"{text}; (plan A's V100s would not: {v100})"
 
 
-CLAIMS: tuple[tuple[str, str, Callable[[Rows, Records, Cells], tuple[str, str]]], ...] = (
-    ("A1", "SFT peak memory: Trlx > ColossalAI > DeepSpeed-Chat (38.2 / 26.8 / 22.4 GB)", memory_order("sft")),
-    ("A2", "RM peak memory: Trlx > ColossalAI > DeepSpeed-Chat (42.7 / 31.4 / 25.1 GB)", memory_order("rm")),
-    ("A3", "PPO peak memory: Trlx > ColossalAI > DeepSpeed-Chat (45.3 / 34.2 / 28.9 GB)", memory_order("ppo")),
-    ("A1 figures", "SFT peaks of 38.2 / 26.8 / 22.4 GB per A100 for GLM-10B at ZeRO-2, batch 4, sequence 512",
-     _figures("sft", {"Trlx": 38.2, "ColossalAI": 26.8, "DeepSpeed-Chat": 22.4})),
-    ("A2 figures", "RM peaks of 42.7 / 31.4 / 25.1 GB per A100 in the same setting",
-     _figures("rm", {"Trlx": 42.7, "ColossalAI": 31.4, "DeepSpeed-Chat": 25.1})),
-    ("A3 figures", "PPO peaks of 45.3 / 34.2 / 28.9 GB per A100 in the same setting (four GLM-10B models)",
-     _figures("ppo", {"Trlx": 45.3, "ColossalAI": 34.2, "DeepSpeed-Chat": 28.9})),
-    ("A5 dtype", "the BF16 results on the A100s", _dtype_a100),
-    ("A4", "LoRA: Trlx complete, DeepSpeed-Chat partial, ColossalAI experimental", lora_support),
-    ("A5", "Trlx best in BF16; DeepSpeed-Chat FP16 risky; ColossalAI BF16 stable", precision_stability),
-    ("A6", "DeepSpeed-Chat's memory advantage comes from its Hybrid Engine",
-     _unmeasurable("the Hybrid Engine's fused inference kernels and memory reuse exist on CUDA only")),
-    ("A7", "ZeRO-3 uses 15-20 % MORE memory than ZeRO-2 in PPO", zero3_vs_zero2),
-    ("A8", "LoRA rank >= 64: adapter parameters cancel the memory savings", lora_rank_cost),
-    ("A9", "Gradient checkpointing makes a Trlx PPO iteration 3x slower", trlx_grad_ckpt),
-    ("A10", "Trlx FP16 on GLM: reward NaN after ~50 steps", trlx_fp16_nan),
-    ("A11", "DeepSpeed-Chat Hybrid Engine FP16 needs gradient clipping 1e-4",
-     _unmeasurable("the Hybrid Engine's FP16 path runs on CUDA only")),
-    ("A12", "ColossalAI BF16 needs the loss scaler set to 1.0 by hand",
-     _unmeasurable("a tuning claim about GLM-10B on GPUs; the harness records loss scales but sets none by hand")),
-    ("A13", "z-score reward normalisation makes PPO converge 40 % faster", zscore_convergence),
-    ("A14", "allgather_bucket_size = 5e8 cuts communication by 20 %", allgather_bucket),
-    ("A15", "LoRA best practice: rank 8-32, q/k/v only, alpha = rank / 2", lora_practice),
-    ("A16", "above 85 % GPU utilisation a larger batch still raises throughput", _unmeasurable(GPU_ONLY)),
-    ("A17", "plan A: LoRA + ZeRO-2 + offload runs GLM-10B on 8 x V100-32G", _plan_a),
-    ("A18", "plan B: gradient accumulation 8 reaches an effective batch of 256", _a18),
-    ("A19", "decision tree: 30B+ -> DeepSpeed-Chat, fastest development -> Trlx, customisation -> ColossalAI",
-     _unmeasurable("model size beyond the sweep, development speed and customisation are not measured; see the "
-                   "measured decision tree above")),
-    ("A20", "recommended DeepSpeed-Chat config for 8 x A100-80G", _a20),
-    ("B1", "PPO keeps four models resident (actor, reward, critic, reference)", four_models),
-    ("B2", "an 8B model's FP16 weights take about 16 GB; four models do not fit one machine", _b2),
-    ("B3", "optimizer states usually take more than 2x the weights", optimizer_vs_weights),
-    ("B4", "TP within a node, PP across nodes only when needed, DP = GPUs / (TP x PP)",
-     _unmeasurable("a planning rule for multi-node GPU clusters")),
-    ("B5", "example plan: actor/reference/critic tp8 dp4, reward tp4 dp8", _b5),
-    ("B6", "recompute activations; bound and reuse the KV cache", _unmeasurable("advice, not a measured quantity")),
-    ("B7", "a healthy run keeps peak memory under 90 % of device capacity",
-     _unmeasurable("needs device capacity; host RSS on the CPU has none to compare with")),
-    ("B8", "large swings in step time between phases signal a bad TP/PP split", _unmeasurable(GPU_ONLY)),
-    ("B9", "OOM after ~1,000 steps comes from unreleased caches or fragmentation",
-     _unmeasurable("needs runs of ~1,000 steps on a GPU allocator")),
-    ("B10", "INT8 inference for reward and reference cuts memory without hurting accuracy", int8_frozen_roles),
-    ("B11", "save checkpoints asynchronously about every 500 steps", _unmeasurable("advice, not a measured quantity")),
-    ("B12", "keep the reference frozen; tune the KL coefficient if the actor degenerates",
-     _unmeasurable("advice, not a measured quantity")),
+# each claim of conf/claims.yaml (its statement is read from there, bench.report.claims_data) with its check
+CHECKS: tuple[tuple[str, Callable[[Rows, Records, Cells], tuple[str, str]]], ...] = (
+    ("A1", memory_order("sft")),
+    ("A2", memory_order("rm")),
+    ("A3", memory_order("ppo")),
+    ("A1 figures", _figures("sft", {"Trlx": 38.2, "ColossalAI": 26.8, "DeepSpeed-Chat": 22.4})),
+    ("A2 figures", _figures("rm", {"Trlx": 42.7, "ColossalAI": 31.4, "DeepSpeed-Chat": 25.1})),
+    ("A3 figures", _figures("ppo", {"Trlx": 45.3, "ColossalAI": 34.2, "DeepSpeed-Chat": 28.9})),
+    ("A5 dtype", _dtype_a100),
+    ("A4", lora_support),
+    ("A5", precision_stability),
+    ("A6", _unmeasurable("the Hybrid Engine's fused inference kernels and memory reuse exist on CUDA only")),
+    ("A7", zero3_vs_zero2),
+    ("A8", lora_rank_cost),
+    ("A9", trlx_grad_ckpt),
+    ("A10", trlx_fp16_nan),
+    ("A11", _unmeasurable("the Hybrid Engine's FP16 path runs on CUDA only")),
+    ("A12", _unmeasurable("a tuning claim about GLM-10B on GPUs; the harness records loss scales but sets none by "
+                          "hand")),
+    ("A13", zscore_convergence),
+    ("A14", allgather_bucket),
+    ("A15", lora_practice),
+    ("A16", _unmeasurable(GPU_ONLY)),
+    ("A17", _plan_a),
+    ("A18", _a18),
+    ("A19", _unmeasurable("model size beyond the sweep, development speed and customisation are not measured; see "
+                          "the measured decision tree above")),
+    ("A20", _a20),
+    ("B1", four_models),
+    ("B2", _b2),
+    ("B3", optimizer_vs_weights),
+    ("B4", _unmeasurable("a planning rule for multi-node GPU clusters")),
+    ("B5", _b5),
+    ("B6", _unmeasurable("advice, not a measured quantity")),
+    ("B7", _unmeasurable("needs device capacity; host RSS on the CPU has none to compare with")),
+    ("B8", _unmeasurable(GPU_ONLY)),
+    ("B9", _unmeasurable("needs runs of ~1,000 steps on a GPU allocator")),
+    ("B10", int8_frozen_roles),
+    ("B11", _unmeasurable("advice, not a measured quantity")),
+    ("B12", _unmeasurable("advice, not a measured quantity")),
 )
 
 
@@ -669,7 +661,11 @@ def check_all(rows: Rows, records: Records, cells: Cells) -> list[Verdict]:
     note = (f" [{len(refused)} cell(s) of mixed provenance left out: runs at different commits, dirty states, "
             "hosts, versions or measurement settings; --allow-mixed-provenance counts them]") if refused else ""
     out = []
-    for claim_id, claim, check in CLAIMS:
+    stated = claims_data.statements()
+    if set(stated) != {claim_id for claim_id, _ in CHECKS}:
+        raise ValueError(f"conf/claims.yaml and the checks disagree: {sorted(set(stated) ^ {c for c, _ in CHECKS})}")
+    for claim_id, check in CHECKS:
+        claim = stated[claim_id]
         verdict, evidence = check(rows, records, cells)
         measured = verdict not in (NOT_MEASURABLE, arithmetic.IMPLAUSIBLE, arithmetic.CONSISTENT)
         out.append(Verdict(claim_id, claim, verdict, evidence + (note if measured else "")))

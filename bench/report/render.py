@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import html
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,74 @@ def _summary(report: Report) -> list[str]:
     return lines
 
 
+def _compared(report: Report) -> str:
+    """What was compared and on what, in a line: frameworks, models, stages, hosts, runs, commits."""
+    rows = report.collection.rows
+    frameworks = sorted({r["framework"] for r in rows})
+    models = sorted({r["model"] for r in rows})
+    stages = sorted({r["stage"] for r in rows})
+    hosts = sorted({r.get("host_type") or "unknown host" for r in rows})
+    commits = sorted({(r.get("git_commit") or "unknown")[:12] for r in rows})
+    return (f"Compared: {', '.join(frameworks)} on {', '.join(models)} ({', '.join(stages)}); "
+            f"{len(report.collection.records)} runs on {'; '.join(hosts)}; commit(s) {', '.join(commits)}.")
+
+
+def _answers(report: Report) -> list[str]:
+    """The decision tree's measured leaves as sentences, each with what it rests on; then how many combinations
+    no run measured (the full tree lists them)."""
+    out, unmeasured = [], 0
+    for answers, found in questions(report.tree):
+        model, ranks, precision, tuning = answers
+        scope = next((e for e in found.evidence if e.startswith("rests on")), None)
+        if scope is None:
+            unmeasured += 1
+            continue
+        out.append(f"With {model} on {ranks} {report.tree.ranks}, {precision}, {tuning}: {found.verdict} ({scope}).")
+    if unmeasured:
+        out.append(f"{unmeasured} more combination(s) of model, {report.tree.ranks}, precision and fine-tuning have no "
+                   "measured run (the decision tree below lists them).")
+    return out
+
+
+def _claim_counts(report: Report) -> str:
+    counts: dict[str, int] = {}
+    for v in report.claims:
+        counts[v.verdict] = counts.get(v.verdict, 0) + 1
+    return "Published claims: " + "; ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items(),
+                                                                                        key=lambda i: -i[1])) + "."
+
+
+KEY_FIGURES = ("memory_breakdown_ppo", "memory_by_zero")  # the figures the answer section shows (not again)
+
+
+def _key_figures(report: Report) -> list[tuple[int, Figure]]:
+    return [(n, f) for n, f in enumerate(report.plots, 1) if os.path.basename(f.path).startswith(KEY_FIGURES)]
+
+
+# the figures drawn from a table, placed after it (by their file names); the rest close the tables
+BESIDE = {"memory": ("memory_breakdown", "memory_by", "memory_vs_ranks", "ppo_memory_timeline"),
+          "throughput": ("throughput_vs",), "stability": ("loss_curves", "reward_curves")}
+
+
+def _figures_after(report: Report, key: str | None) -> list[tuple[int, Figure]]:
+    """The numbered figures placed after table `key` (None: those no table draws them from), less those the
+    answer shows."""
+    shown = {n for n, _ in _key_figures(report)}
+    placed = tuple(p for prefixes in BESIDE.values() for p in prefixes)
+    out = []
+    for n, figure in enumerate(report.plots, 1):
+        name = os.path.basename(figure.path)
+        mine = name.startswith(BESIDE[key]) if key in BESIDE else (key is None and not name.startswith(placed))
+        if mine and n not in shown:
+            out.append((n, figure))
+    return out
+
+
+def _slug(title: str) -> str:
+    """A Markdown heading's anchor as renderers make it: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
 def _md_cell(text: str) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
@@ -88,20 +157,31 @@ def _plain_questions(node: Node) -> list[str]:
     return out
 
 
+def _md_figure(n: int, figure: Figure) -> list[str]:
+    name = os.path.basename(figure.path)
+    return [f"![{name}](plots/{name})", "", f"*Figure {n}.* {figure.caption}", ""]
+
+
 def markdown(report: Report) -> str:
-    lines = ["# rlhf-bench report", ""] + _summary(report) + ["", "## Environment", ""]
+    lines = ["# rlhf-bench report", "", _compared(report), "", "## The answer", ""]
+    lines += [f"- {a}" for a in _answers(report)] + ["", _claim_counts(report) + " (the claims check, below)", ""]
+    lines += [line for n, f in _key_figures(report) for line in _md_figure(n, f)]
+    lines += ["## Contents", "", "- [Environment](#environment)"]
+    lines += [f"- [{t.title}](#{_slug(t.title)})" for t in report.tables]
+    lines += ["- [Figures](#figures)", "- [Decision tree](#decision-tree)", "- [Claims check](#claims-check)", ""]
+    lines += _summary(report) + ["", "## Environment", ""]
     for table in report.environment:
         lines += _md_table(table)
     if report.collection.problems:
         lines += ["## Skipped record files", ""]
         lines += [f"- `{p.path}`: {p.reason}" for p in report.collection.problems] + [""]
-    lines += ["## Tables", ""]
+    lines += ["## Tables", "", "Each table's figures follow it; those of the answer are not repeated.", ""]
     for table in report.tables:
         lines += _md_table(table)
-    lines += ["## Figures", ""]
-    for n, figure in enumerate(report.plots, 1):
-        lines += [f"![{os.path.basename(figure.path)}](plots/{os.path.basename(figure.path)})", "",
-                  f"*Figure {n}.* {figure.caption}", ""]
+        lines += [line for n, f in _figures_after(report, table.key) for line in _md_figure(n, f)]
+    rest = _figures_after(report, None)
+    lines += ["## Figures", ""] + ([line for n, f in rest for line in _md_figure(n, f)] if rest
+                                   else ["Every figure is shown beside its table, or under the answer.", ""])
     lines += ["## Decision tree", "", "Built from the measured rows; a leaf that the data cannot decide says so.", ""]
     lines += _md_tree(report.tree) + ["", "As plain questions:", ""] + _plain_questions(report.tree) + [""]
     lines += ["## Claims check", "", UNITS, "", VERDICT_RULE, "",
@@ -126,9 +206,14 @@ ul.tree,ul.tree ul{list-style:none;padding-left:1.2rem;border-left:1px dashed #b
 .verdict-supported{color:#137333}.verdict-contradicted{color:#b3261e}
 """
 TEXT_COLUMNS = {"run", "stage", "status", "stability", "error", "framework", "precision", "plugin", "reference",
-                "classification", "statement", "verdict", "evidence", "claim", "other config", "engine", "notes",
+                "classification", "statement", "verdict", "evidence", "claim", "engine", "notes",
                 "tags", "configuration", "pair", "largest difference", "term", "finetune", "model", "cell",
                 "what", "value", "code", "host", "provenance", "records", "command", "seeds"}
+
+
+# listings a reader opens on purpose: folded in the HTML page (a <details>) past FOLD_ROWS rows
+FOLDED = ("runs", "cells", "prediction")
+FOLD_ROWS = 20
 
 
 def _value_class(column: str, cell: str) -> str:
@@ -152,8 +237,11 @@ def _html_table(table: Table) -> str:
             text = _html_links(cell) if column in table.links else html.escape(str(cell))
             cells.append(f"<td class='{css}'>{text}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
+    grid = f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
+    if table.key in FOLDED and len(table.rows) > FOLD_ROWS:
+        grid = f"<details><summary>{len(table.rows)} rows (open)</summary>{grid}</details>"
     return (f"<h3 id='{table.key}'>{html.escape(table.title)}</h3><p class='caption'>{html.escape(table.caption)}</p>"
-            f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
+            + grid)
 
 
 def _html_tree(node: Node) -> str:
@@ -179,14 +267,18 @@ def _inline_png(path: str, caption: str) -> str:
 
 def html_page(report: Report) -> str:
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'><title>rlhf-bench report</title>",
-             f"<style>{CSS}</style></head><body><h1>rlhf-bench report</h1>"]
-    parts += [f"<p>{html.escape(line.replace('`', '').replace('[table.csv](table.csv)', 'table.csv'))}</p>"
-              for line in _summary(report)]
-    parts.append("<p><a href='table.csv'>table.csv</a>: every stage row with its units in the column names.</p>")
+             f"<style>{CSS}</style></head><body><h1>rlhf-bench report</h1>",
+             f"<p>{html.escape(_compared(report))}</p><h2 id='answer'>The answer</h2><ul>"]
+    parts += [f"<li>{html.escape(a)}</li>" for a in _answers(report)]
+    parts.append(f"</ul><p>{html.escape(_claim_counts(report))} (<a href='#claims-check'>the claims check</a>)</p>")
+    parts += [_inline_png(f.path, f"Figure {n}. {f.caption}") for n, f in _key_figures(report)]
     contents = ([(t.key, t.title) for t in report.environment + report.tables]
                 + [("figures", "Figures"), ("decision", "Decision tree"), ("claims-check", "Claims check")])
     parts.append("<nav>Contents: " + " · ".join(f"<a href='#{k}'>{html.escape(t)}</a>" for k, t in contents)
                  + "</nav>")
+    parts += [f"<p>{html.escape(line.replace('`', '').replace('[table.csv](table.csv)', 'table.csv'))}</p>"
+              for line in _summary(report)]
+    parts.append("<p><a href='table.csv'>table.csv</a>: every stage row with its units in the column names.</p>")
     if report.collection.problems:
         parts.append("<h2>Skipped record files</h2><ul>")
         parts += [f"<li><code>{html.escape(p.path)}</code>: {html.escape(p.reason)}</li>"
@@ -194,10 +286,15 @@ def html_page(report: Report) -> str:
         parts.append("</ul>")
     parts.append("<h2>Environment</h2>")
     parts += [_html_table(t) for t in report.environment]
-    parts.append("<h2>Tables</h2>")
-    parts += [_html_table(t) for t in report.tables]
+    parts.append("<h2>Tables</h2><p class='caption'>Each table's figures follow it; those of the answer are not "
+                 "repeated.</p>")
+    for table in report.tables:
+        parts.append(_html_table(table))
+        parts += [_inline_png(f.path, f"Figure {n}. {f.caption}") for n, f in _figures_after(report, table.key)]
+    rest = _figures_after(report, None)
     parts.append("<h2 id='figures'>Figures</h2>")
-    parts += [_inline_png(f.path, f"Figure {n}. {f.caption}") for n, f in enumerate(report.plots, 1)]
+    parts += ([_inline_png(f.path, f"Figure {n}. {f.caption}") for n, f in rest] if rest
+              else ["<p class='caption'>Every figure is shown beside its table, or under the answer.</p>"])
     parts.append("<h2 id='decision'>Decision tree</h2><p class='caption'>Built from the measured rows; a leaf that "
                  "the data cannot decide says so.</p>")
     parts.append(_html_tree(report.tree))
@@ -205,9 +302,9 @@ def html_page(report: Report) -> str:
     parts += [f"<li>{html.escape(q[2:])}</li>" for q in _plain_questions(report.tree)]
     parts.append(f"</ul><h2 id='claims-check'>Claims check</h2><p class='caption'>{html.escape(UNITS)}</p>"
                  f"<p class='caption'>{html.escape(VERDICT_RULE)}</p>")
-    claims = Table("claims", "Published claims", "Each claim of the two articles (shared/reference/"
-                   "published-claims.md) against this sweep's measurements.", ["claim", "statement", "verdict",
-                                                                                "evidence"],
+    claims = Table("claims", "Published claims", "Each claim of the two articles (conf/claims.yaml, listed with "
+                   "their sources in the docs' Published claims page) against this sweep's measurements.",
+                   ["claim", "statement", "verdict", "evidence"],
                    [[v.claim_id, v.claim, v.verdict, v.evidence] for v in report.claims])
     parts.append(_html_table(claims))
     parts.append(f"<p class='caption'><b>Caveat.</b> {html.escape(report.caveat)}</p>")

@@ -33,28 +33,49 @@ def cell_flag(runs: list[dict[str, Any]]) -> str:
 
 
 class ConfigColumns:
-    """The config columns of a table: the main ones always, the optional ones where they vary, the fine-tuning
-    mode, and one "other config" column with every cell key that tells apart cells the others show alike."""
+    """A table's configuration, read at 1280 px: one short "configuration" label per row, made of the keys whose
+    values vary across the table's rows (the main ones, the optional ones, the fine-tuning mode, and the other
+    keys that tell apart cells those show alike), ahead of the measured figures; the keys every row shares are
+    stated once, in the caption (`shared()`). The cell id and, where a cell's runs mix commits, hosts, versions
+    or settings or are dirty, its provenance flag close the row (`tail`)."""
 
     def __init__(self, rows: list[dict[str, Any]], cells: Cells) -> None:
-        self.extra = [c for c in EXTRA_CONFIG if len({str(r.get(c)) for r in rows}) > 1
-                      or (c == "tags" and any(r.get("tags") for r in rows))]
-        self.header = ["cell"] + list(SHOWN_CONFIG) + self.extra + ["finetune"]
+        keys = [*SHOWN_CONFIG, *(c for c in EXTRA_CONFIG if any(r.get(c) for r in rows) or c != "tags"),
+                "finetune"]
+        self.varying = [k for k in keys if len({_text(r.get(k)) for r in rows}) > 1]
+        # unset or switched-off optional keys (None, "", [], False) say nothing worth a caption
+        self.constant = {k: _text(rows[0].get(k)) for k in keys if k not in self.varying and rows
+                         and rows[0].get(k) is not False and rows[0].get(k) not in (None, "", [])}
         self.cells = cells
         self.other = distinguishing_keys(rows, cells)
-        if self.other:
-            self.header.append("other config")
+        self.header = ["configuration"]
         # the provenance column, wherever a cell's runs mix commits, hosts, versions or settings, or are dirty
         self.flagged = any(cell_flag(runs) != "-" for runs in group(rows).values())
-        if self.flagged:
-            self.header.append("provenance")
+        self.tail = ["cell"] + (["provenance"] if self.flagged else [])
 
     def values(self, runs: list[dict[str, Any]]) -> list[str]:
         row = runs[0]
-        shown = ["-" if row.get(c) is None else str(row[c]) for c in self.header
-                 if c not in ("other config", "provenance")]
-        return (shown + ([other_config(row, self.cells, self.other)] if self.other else [])
-                + ([cell_flag(runs)] if self.flagged else []))
+        # a key unset in this row ("-") is left out of its label: the rows that set it name it
+        label = " ".join(f"{k}={_text(row.get(k))}" for k in self.varying if _text(row.get(k)) != "-")
+        if self.other:
+            others = [part for part in other_config(row, self.cells, self.other).split(" ") if not part.endswith("=-")]
+            label = " ".join([label, *others]).strip()
+        return [label or "(one configuration)"]
+
+    def tail_values(self, runs: list[dict[str, Any]]) -> list[str]:
+        return [runs[0]["cell"]] + ([cell_flag(runs)] if self.flagged else [])
+
+    def shared(self) -> str:
+        """The keys every row shares, for the caption."""
+        if not self.constant:
+            return ""
+        return "Every row: " + ", ".join(f"{k}={v}" for k, v in self.constant.items()) + ". "
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, list):
+        return ",".join(map(str, value)) or "-"
+    return "-" if value is None else str(value)
 
 
 def runs_table(rows: list[dict[str, Any]]) -> Table:
@@ -71,23 +92,26 @@ def runs_table(rows: list[dict[str, Any]]) -> Table:
 def memory_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     phases = phases_in(rows, "peak")
     config = ConfigColumns(rows, cells)
-    header = (config.header + ["engine", "runs", "status", "peak MiB", "growth MiB", "peak phase"]
+    header = (config.header + ["peak MiB", "growth MiB", "peak phase", "runs", "status"]
               + [f"{p} MiB" for p in phases]
-              + ["model state MiB (rank 0)", "model state / init growth %", "rest at peak MiB (rank 0)"])
+              + ["model state MiB (rank 0)", "model state / init growth %", "rest at peak MiB (rank 0)", "engine"]
+              + config.tail)
     body = []
     for runs in group(rows).values():
         state = stat([r.get("model_state_bytes_rank0") for r in runs])
         init = stat([r.get("growth_init_bytes") for r in runs])
         share = f"{100 * state.median / init.median:.0f}" if state.median and init.median else "-"
         phase = sorted({r.get("peak_phase") or "-" for r in runs})
-        body.append(config.values(runs) + [runs[0].get("engine") or "-", str(len(runs)), status_of(runs),
-                                           stat([r.get("peak_bytes") for r in runs]).fmt(MIB),
-                                           stat([r.get("growth_bytes") for r in runs]).fmt(MIB), "/".join(phase)]
+        body.append(config.values(runs) + [stat([r.get("peak_bytes") for r in runs]).fmt(MIB),
+                                           stat([r.get("growth_bytes") for r in runs]).fmt(MIB), "/".join(phase),
+                                           str(len(runs)), status_of(runs)]
                     + [stat([r.get(f"peak_{p}_bytes") for r in runs]).fmt(MIB) for p in phases]
-                    + [state.fmt(MIB, 1), share, stat([r.get("rest_at_peak_bytes_rank0") for r in runs]).fmt(MIB)])
+                    + [state.fmt(MIB, 1), share, stat([r.get("rest_at_peak_bytes_rank0") for r in runs]).fmt(MIB),
+                       runs[0].get("engine") or "-"] + config.tail_values(runs))
     method = next((r["memory_method"] for r in rows if r.get("memory_method")), "not recorded")
     return Table("memory", "Peak memory per phase",
-                 f"MiB (2^20 bytes), max over ranks; method: {method}. Peak: the largest phase peak; growth: that "
+                 config.shared()
+                 + f"MiB (2^20 bytes), max over ranks; method: {method}. Peak: the largest phase peak; growth: that "
                  "minus the rank's post-import baseline (engine libraries, JIT ops and process groups already "
                  "loaded): what frameworks are compared on, next to the phase that sets it. Phase columns: "
                  "absolute peaks (`imports` is the runtime phase itself). Model state: parameter and optimizer-state "
@@ -95,17 +119,19 @@ def memory_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                  "models is the models themselves. Rest: activations, gradients, caches, buffers, allocator slack "
                  "at rank 0's peak. Peak, growth and peak phase are all read over the same phases: every phase after "
                  "`imports` (init included: a device runs out of memory in whichever phase peaks). A cell is the "
-                 "whole resolved configuration minus seed and bookkeeping (other config: the keys that tell apart "
-                 "cells the columns show alike; the cells table names the command that re-runs each). "
+                 "whole resolved configuration minus seed and bookkeeping (configuration: the keys whose values vary "
+                 "across the rows, with any others that tell cells apart; the cells table names the command that "
+                 "re-runs each). "
                  + SPREAD_RULE, header, body)
 
 
 def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     phases = [p for p in phases_in(rows, "tokens_per_s") if p not in ("imports", "init")]
     config = ConfigColumns(rows, cells)
-    header = (config.header + ["ok runs", "timed steps"] + [f"{p} tok/s" for p in phases]
+    header = (config.header + [f"{p} tok/s" for p in phases]
               + ["step s (min-max over steps)", "step samples/s", "samples/s per rank at one pass", "update passes",
-                 "samples/s at one pass", "TFLOP/s (rank 0)", "MFU %", "generation share %"])
+                 "samples/s at one pass", "TFLOP/s (rank 0)", "MFU %", "generation share %", "ok runs",
+                 "timed steps"] + config.tail)
     body = []
     for runs in group(rows).values():
         ok = [r for r in runs if r["status"] == "ok"]
@@ -115,7 +141,7 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
         highs = [r["step_time_max_s"] for r in ok if r.get("step_time_max_s") is not None]
         steps = sum(r.get("timed_steps") or 0 for r in ok)
         mfu = stat([r.get("mfu") for r in ok])
-        body.append(config.values(ok) + [str(len(ok)), f"{steps} ({len(ok)} runs)"]
+        body.append(config.values(ok)
                     + [stat([r.get(f"tokens_per_s_{p}") for r in ok]).fmt() for p in phases]
                     + [f"{min(lows):.2f}-{max(highs):.2f}" if lows else "-",
                        stat([r.get("samples_per_s_step") for r in ok]).fmt(digits=2),
@@ -124,9 +150,11 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
                        stat([r.get("samples_per_s_one_pass") for r in ok]).fmt(digits=2),
                        stat([r.get("tflops_per_s_rank0") for r in ok]).fmt(digits=3),
                        mfu.fmt(0.01, 1) if mfu.n else "- (device peak unknown)",
-                       stat([r.get("share_generation") for r in ok]).fmt(0.01, 0)])
+                       stat([r.get("share_generation") for r in ok]).fmt(0.01, 0), str(len(ok)),
+                       f"{steps} ({len(ok)} runs)"] + config.tail_values(ok))
     return Table("throughput", "Throughput",
-                 "Tokens/s per phase: real (non-pad) tokens summed over data-parallel replicas / the slowest "
+                 config.shared()
+                 + "Tokens/s per phase: real (non-pad) tokens summed over data-parallel replicas / the slowest "
                  "rank's time, warm-up steps excluded (time.perf_counter around each phase). Timed steps: "
                  "measured steps summed over the cell's ok runs; step s: the fastest and slowest single step "
                  "among them (each the slowest rank's summed phase times). Step samples/s: samples of one step "
@@ -145,9 +173,9 @@ def throughput_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
 def stability_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
     chosen = [r for r in rows if r.get("stability")]
     config = ConfigColumns(chosen, cells) if chosen else None
-    header = (config.header if config else []) + ["runs", "classification", "first non-finite step",
-                                                  "overflow skips", "loss-scale min", "upstream defects hit",
-                                                  "evidence"]
+    header = (config.header if config else []) + ["classification", "first non-finite step", "overflow skips",
+                                                  "loss-scale min", "upstream defects hit", "evidence", "runs"] + (
+        config.tail if config else [])
     body = []
     for runs in group(chosen).values():
         classes: dict[str, int] = {}
@@ -156,13 +184,15 @@ def stability_table(rows: list[dict[str, Any]], cells: Cells) -> Table:
         first = [r["first_nonfinite_step"] for r in runs if r.get("first_nonfinite_step") is not None]
         scales = [r["loss_scale_min"] for r in runs if r.get("loss_scale_min") is not None]
         forced = any(is_forced_failure(r) for r in runs)
-        body.append(config.values(runs) + [str(len(runs)), ", ".join(f"{c} {n}" for c, n in sorted(classes.items())),
+        body.append(config.values(runs) + [", ".join(f"{c} {n}" for c, n in sorted(classes.items())),
                                            str(min(first)) if first else "none",
                                            str(sum(r.get("overflow_skips") or 0 for r in runs)),
                                            f"{min(scales):g}" if scales else "-", _defects(runs),
-                                           "no (forced failure)" if forced else "yes"])
+                                           "no (forced failure)" if forced else "yes", str(len(runs))]
+                    + config.tail_values(runs))
     return Table("stability", "Numerical stability by stage and configuration",
-                 "Per cell (stage and whole configuration), over every run that reached training: classification "
+                 (config.shared() if config else "")
+                 + "Per cell (stage and whole configuration), over every run that reached training: classification "
                  "counts (stable, recovered, skip-storm, diverged; rules in the record's stability.rules), the "
                  "earliest non-finite step of any run, overflow-skipped steps summed over runs (fp16 dynamic loss "
                  "scaling), the smallest loss scale seen, and the known upstream defects those runs hit (see the "
