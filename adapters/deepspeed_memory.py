@@ -2,7 +2,7 @@
 train through it), for the planner's memory model. Imports no framework.
 
 Read from DeepSpeed 0.19.8 (runtime/zero/stage_1_and_2.py, stage3.py, bf16_optimizer.py) and measured with
-scripts/engine_buffers.py: the backward fills each parameter's half-precision `.grad` and copies it into the
+scripts/diagnostics/engine_buffers.py: the backward fills each parameter's half-precision `.grad` and copies it into the
 reduce bucket (`reduce_bucket_size`, 5e8 elements by default; the host counts the pages one step writes, about
 one value per trained parameter; ZeRO-2 then drops the `.grad`), all-reduces a flattened copy of the bucket,
 and keeps the rank's part in a partition of the model's dtype, which the step flattens and casts to fp32
@@ -25,15 +25,15 @@ PERSISTENCE_THRESHOLD = 100_000
 
 def gradient_terms(trainable: float, value_bytes: int, zero: int, dp: int, precision: str = "bf16",
                    bucket_elements: int | None = None) -> tuple[Terms, Terms]:
-    """(kept, made): gradient bytes of one trained model in its backward and step on one rank, on top of the
-    eager fp32 gradients (eager_gradient_bytes), split by lifetime. `kept` lives from the engine's build on,
-    through every phase: ZeRO-3's partition of the gradients in the model's dtype (stage3's
-    grad_partitions_flat_buffer, allocated with torch.zeros at the end of the build and never freed; its pages
-    were resident after the build and through generation, experience and update alike: scripts/peak_moment.py
-    and a residency count by mincore, DS-Chat PPO, llama-base with 2 layers, fp32, 2 ranks). `made` is the most
-    the backward's end and the step allocate and free within each step (run_shape.step_transient): the half
-    gradients on the parameters (ZeRO-0/1, until the step) and their fp32 partition, the fp32 gradients the step
-    flattens at ZeRO-3, and ZeRO-2's larger moment (zero2_made_bytes)."""
+    """(kept, made): gradient bytes of one trained model in its backward and step on one rank, on top of the eager fp32
+    gradients (eager_gradient_bytes), split by lifetime. `kept` lives from the engine's build on, through every
+    phase: ZeRO-3's partition of the gradients in the model's dtype (stage3's grad_partitions_flat_buffer, allocated
+    with torch.zeros at the end of the build and never freed; its pages were resident after the build and through
+    generation, experience and update alike: scripts/diagnostics/peak_moment.py and a residency count by mincore,
+    DS-Chat PPO, llama-base with 2 layers, fp32, 2 ranks). `made` is the most the backward's end and the step
+    allocate and free within each step (run_shape.step_transient): the half gradients on the parameters (ZeRO-0/1,
+    until the step) and their fp32 partition, the fp32 gradients the step flattens at ZeRO-3, and ZeRO-2's larger
+    moment (zero2_made_bytes)."""
     if zero == 2:
         reduce, step = zero2_made_bytes(trainable, value_bytes, dp, bucket_elements)
         return Terms(), Terms(buffers=reduce) if reduce >= step else Terms(grads=step)
@@ -102,15 +102,15 @@ def resident_buffers(trainable: float, value_bytes: int, zero: int, device: str,
 
 
 def zero3_kept_gathered(tensor_numels: Iterable[int], value_bytes: int, persistence_threshold: int) -> float:
-    """What a ZeRO-3 engine keeps gathered whole when its forward turns into its backward, once it has traced a
-    step (a loop that repeats one forward and backward: SFT, RM training, and DS-Chat's RM scoring between them).
-    After a module's forward it releases a parameter only if the parameter's next use in the trace lies more than
-    stage3_max_reuse_distance elements ahead (partitioned_param_coordinator.__params_to_release); the backward
-    uses every one again within that distance on a model of up to 1e9 elements, so the whole model stays
-    gathered. Parameters of at most `persistence_threshold` elements are never partitioned (the state counts them
-    whole). Measured with scripts/peak_moment.py (llama-base, fp32, 2 ranks): 476 MiB gathered at once in DS-Chat's
-    and trlx's SFT (the whole LM), 382 MiB in their RM training (the backbone) and DS-Chat's RM scoring; PPO's
-    engines, whose traces the rollouts keep changing, release each module after use (at most 118-288 MiB)."""
+    """What a ZeRO-3 engine keeps gathered whole when its forward turns into its backward, once it has traced a step (a
+    loop that repeats one forward and backward: SFT, RM training, and DS-Chat's RM scoring between them). After a
+    module's forward it releases a parameter only if the parameter's next use in the trace lies more than
+    stage3_max_reuse_distance elements ahead (partitioned_param_coordinator.__params_to_release); the backward uses
+    every one again within that distance on a model of up to 1e9 elements, so the whole model stays gathered.
+    Parameters of at most `persistence_threshold` elements are never partitioned (the state counts them whole).
+    Measured with scripts/diagnostics/peak_moment.py (llama-base, fp32, 2 ranks): 476 MiB gathered at once in DS-
+    Chat's and trlx's SFT (the whole LM), 382 MiB in their RM training (the backbone) and DS-Chat's RM scoring;
+    PPO's engines, whose traces the rollouts keep changing, release each module after use (at most 118-288 MiB)."""
     gathered = sum(n for n in tensor_numels if n > persistence_threshold)
     return value_bytes * min(gathered, REUSE_DISTANCE_ELEMENTS)
 

@@ -21,7 +21,7 @@
 # with the batch (the misses left out there). A run may take up to 3 hours (launcher.timeout_s; trlx's ZeRO-3 PPO
 # in fp32 at 128 KiB ran past the hour it had before, on an AMD EPYC with AVX512-BF16). Run time: llama-base 1.5 hours at a49bc134e77c at 4 MiB on the host
 # type with AMX (one session); 128 KiB adds about 26 s to each ZeRO-3 rollout (faults of the gathered weights,
-# measured on the AVX2 host: scripts/rollout_cost.py), about 18 minutes to the rung (an estimate); a CPU without
+# measured on the AVX2 host: scripts/diagnostics/rollout_cost.py), about 18 minutes to the rung (an estimate); a CPU without
 # native bf16 matrix instructions runs the bf16 cells 15-19x slower.
 # The runs come from a clean git worktree of one commit, on one host type (scripts/curated_tree.sh): COMMIT=<sha>
 # runs the rung at that commit whatever is checked out (default HEAD, which must then be clean), so a rung that

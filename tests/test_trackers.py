@@ -343,7 +343,7 @@ def test_global_grad_norm_accumulates_in_fp32_without_copies():
 
 
 def test_the_overhead_script_rotates_its_modes_so_none_always_leads():
-    from scripts.tracker_overhead import mode_order
+    from scripts.diagnostics.tracker_overhead import mode_order
 
     assert mode_order(6, ("on", "off")) == ["on", "off", "off", "on", "on", "off"]
     assert mode_order(7, ("on", "off", "every")) == ["on", "off", "every", "off", "every", "on", "every"]

@@ -104,8 +104,8 @@ def test_an_orphaned_rank_that_ignores_sigterm_still_ends_within_its_grace(tmp_p
 
 @pytest.mark.engine  # a subprocess of the CLI or of a real process: the engine tier
 def test_a_process_a_test_starts_that_stalls_is_reported_with_its_last_progress_and_stacks():
-    # a diagnostic script's rank started outside the launcher (scripts/diagnostic_rank.py): its stall file goes
-    # to the folder run_tree gives it, and run_tree's failure carries the report
+    # a diagnostic script's rank started outside the launcher (scripts/diagnostics/diagnostic_rank.py): its stall
+    # file goes to the folder run_tree gives it, and run_tree's failure carries the report
     code = textwrap.dedent("""
         import time
         from bench.run import watchdog

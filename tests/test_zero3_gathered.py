@@ -1,6 +1,6 @@
 """What a DeepSpeed ZeRO-3 engine keeps gathered through a traced step (adapters/deepspeed_memory.py
 zero3_kept_gathered): the memory models' figure against element counts worked by hand, and those against the
-engine's own parameter states (`ds_status`) read by scripts/peak_moment.py in real DS-Chat and trlx runs."""
+engine's own parameter states (`ds_status`) read by scripts/diagnostics/peak_moment.py in real DS-Chat and trlx runs."""
 
 from __future__ import annotations
 
@@ -103,7 +103,8 @@ def test_engines_keep_gathered_what_the_memory_model_says(tmp_path, framework, s
     built = jit_libraries()
     # the ranks' watchdog (launcher.stall_s above) reports a stall before the test's timeout would
     run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-              "scripts/peak_moment.py", f"framework={framework}", f"stage={stage}", *ENGINE_RUN, f"--json={out}"],
+              "scripts/diagnostics/peak_moment.py", f"framework={framework}", f"stage={stage}", *ENGINE_RUN,
+              f"--json={out}"],
              timeout=300, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"})
     peaks = json.loads(out.read_text())
     # the script under torchrun found the ops set-up built, in the launcher's folder: none was rebuilt, and none

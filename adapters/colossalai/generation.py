@@ -2,8 +2,11 @@
 
 Left-padded prompts, one token per step with the KV cache, temperature then top-k, multinomial
 sampling; finished rows emit padding; every step all-reduces the unfinished flags so all ranks stop
-together (the PR #3162 hang fix); a row still running at the last step is forced to end with the stop
-token; the result is padded to the full length, as coati pads every rollout to max_length.
+together (the PR #3162 hang fix); a row still running at the last step ends there, without a stop token
+(ColossalAI 4f9953be's `_sample` returns as it is); the result is padded to the full length, as coati pads every
+rollout to max_length. The pad id is masked at every step: upstream's pad is its EOS (train_ppo.py), so a
+sampled pad ends a row there; the harness's pad differs from its EOS, and a sampled one would sit inside a
+running row.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def sample(forward: Forward, input_ids: torch.Tensor, attention_mask: torch.Tens
     positions = position_ids(mask)
     unfinished = torch.ones(seq.shape[0], dtype=torch.long, device=seq.device)
     past = None
-    for step in range(seq.shape[1], max_length):
+    for _ in range(seq.shape[1], max_length):
         fresh = past is None
         logits, past = forward(
             input_ids=seq if fresh else seq[:, -1:],
@@ -53,8 +56,6 @@ def sample(forward: Forward, input_ids: torch.Tensor, attention_mask: torch.Tens
             kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         next_tokens = torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(1)
-        if step == max_length - 1:
-            next_tokens = torch.where(unfinished.bool(), torch.full_like(next_tokens, eos_id), next_tokens)
         next_tokens = next_tokens * unfinished + pad_id * (1 - unfinished)
         seq = torch.cat([seq, next_tokens[:, None]], dim=1)
         mask = torch.cat([mask, unfinished[:, None].to(mask.dtype)], dim=1)

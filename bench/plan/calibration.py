@@ -4,7 +4,8 @@ runs and kept apart from it.
 One term per framework, stage, phase and regime: the median, over the fitted runs, of measured minus predicted
 growth, per 16-bit width of the run's values (an offset in bytes at 16 bits, twice that in fp32: the heap freed
 tensors leave behind is as wide as they are). Regimes: `zero3` (parameters gathered and released as modules run: the
-measured heap fragmentation, scripts/engine_buffers.py), `zero0` where a framework's ZeRO-0 is another engine (trlx:
+measured heap fragmentation, scripts/diagnostics/engine_buffers.py),
+`zero0` where a framework's ZeRO-0 is another engine (trlx:
 accelerate's DDP with fp32 weights and autocast; its memory model says so with ZERO0_OWN_ENGINE; without fitted runs
 it takes `full`'s offset), `lora` (many small trained tensors: a different allocator pattern) and `full`. For each
 model the fit saw, a factor per stage and phase scales the offsets of 100 MiB or more: the median ratio of that
@@ -16,8 +17,8 @@ micro-batch, the median over such pairs of how their residuals grow, between non
 What an offset stands for on the CPU: allocator slack (glibc keeps freed heap that a
 later phase reuses or that fragmentation pins: torch's own live bytes over a trlx RM step peak at the
 activations the physics counts, 941 vs 936 MiB in bf16 and 1,342 vs 1,332 in fp32
-(scripts/step_live_bytes.py), while RSS rises some 380 and 690 MiB further), communication buffers the physics
-does not name, and build-time transients. It is fitted on named runs (`fitted_on`), stored next to the
+(scripts/diagnostics/step_live_bytes.py), while RSS rises some 380 and 690 MiB further), communication buffers the
+physics does not name, and build-time transients. It is fitted on named runs (`fitted_on`), stored next to the
 framework's memory model (adapters/<framework>/memory_calibration.json) and applied only on the device it was
 fitted on; the report shows the error with and without it, on the runs it was fitted on and on the others.
 

@@ -3,11 +3,11 @@
 A measurement setting that maps more allocations (`memory_mmap_threshold`) is paid in the kernel: each mapped
 block is faulted in afresh and unmapped at its free. ZeRO-3's generation gathers every partitioned weight once
 per generated token, so that is where a lower threshold costs most. This diagnostic sets up an adapter's PPO
-stage (random weights, as scripts/diagnostic_rank.py does), generates one warm-up rollout, then times
+stage (random weights, as scripts/diagnostics/diagnostic_rank.py does), generates one warm-up rollout, then times
 `ROLLOUTS` more (default 2), each between barriers, and prints each rank's wall, user and system seconds and
 minor page faults per rollout (`resource.getrusage` of the rank's process).
 
-    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/rollout_cost.py \
+    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/diagnostics/rollout_cost.py \
         framework=trlx stage=ppo model=llama-base precision=bf16 zero=3 prompt_len=128 answer_len=128 batch=2 \
         launcher.nproc=2
 
@@ -25,11 +25,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.run.config import compose  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
+from scripts.diagnostics.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 
 @dataclass

@@ -7,7 +7,7 @@ wait (DeepSpeed keeps its handles until a parameter's fetch completes). A 0.5 ms
 RSS; the script prints the peak over the RSS before the output was allocated, the rise after the wait, after the
 output is freed, and after the handle is dropped. On a GPU, NCCL gathers into the output itself.
 
-    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/gloo_allgather_copy.py
+    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/diagnostics/gloo_allgather_copy.py
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One rank of an adapter's SFT, RM or PPO stage, set up outside the harness for the diagnostics in scripts/
+"""One rank of an adapter's SFT, RM or PPO stage, set up outside the harness for the diagnostics in scripts/diagnostics/
 (run under torchrun; the launcher's environment names the rank). PPO starts from random weights (no SFT or RM
 checkpoint): what the diagnostics read is memory, not learning.
 
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from adapters import registry  # noqa: E402
 from adapters.base import RankContext  # noqa: E402

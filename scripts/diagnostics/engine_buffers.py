@@ -6,7 +6,8 @@ This diagnostic names them: it runs a few SFT or RM steps of one adapter and, ju
 engines' optimizer objects for tensors that are not model state (bench/measure/held.py) and reports each
 one's allocated bytes and, on a CPU, its resident bytes (what the RSS peak counts).
 
-    torchrun --standalone --nproc_per_node 2 scripts/engine_buffers.py framework=dschat model=glm-base zero=3
+    torchrun --standalone --nproc_per_node 2 scripts/diagnostics/engine_buffers.py framework=dschat \
+        model=glm-base zero=3
 
 DS-Chat's engines only (trlx's are the same DeepSpeed optimizers behind accelerate). Overrides are the
 harness's own (`stage=sft|rm`, default sft); rank 0 prints one table per engine and step.
@@ -20,14 +21,14 @@ from typing import Any
 
 import psutil
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from adapters.deepspeed_state import zero3_masters  # noqa: E402
 from bench.measure.held import Held, held_tensors, resident_bytes, storages  # noqa: E402
 from bench.measure.memory import malloc_live_bytes  # noqa: E402
 from bench.run.config import compose  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
+from scripts.diagnostics.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 

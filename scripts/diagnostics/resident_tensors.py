@@ -7,10 +7,10 @@ and of each phase asks the kernel (mincore) how many pages of each tensor it fin
 every parameter (its ZeRO-3 partition, and the whole tensor where one is gathered), its gradient, the optimizer's
 states and DeepSpeed's flat buffers (fp32 partitions, ZeRO-3's gradient partition, the reduce buckets), summed
 per role and kind. "rest" is the process's anonymous RSS less those: the imported libraries, the heap, and
-tensors held by no engine. Snapshots fall at phase ends, not at their peaks (scripts/peak_moment.py follows the
-peaks).
+tensors held by no engine. Snapshots fall at phase ends, not at their peaks (scripts/diagnostics/peak_moment.py
+follows the peaks).
 
-    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/resident_tensors.py \
+    MALLOC_MMAP_THRESHOLD_=131072 torchrun --standalone --nproc_per_node 2 scripts/diagnostics/resident_tensors.py \
         framework=dschat stage=ppo model=llama-base model.layers=2 precision=fp32 zero=3 batch=2 launcher.nproc=2
 
 Rank 0 prints its table. Under `torchrun` directly the harness's `memory_mmap_threshold` is not applied: set
@@ -27,11 +27,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.run.config import compose  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
+from scripts.diagnostics.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 PAGE = os.sysconf("SC_PAGE_SIZE")

@@ -10,9 +10,9 @@ release the GIL). At each phase's highest sample it notes the module whose forwa
 that moment (`ds_status` AVAILABLE, persistent small ones left out) beside the most gathered at once in the
 phase (read at every module's forward and backward start as well as by the sampler, so a short step misses
 none), and the most gathered or in flight (INFLIGHT: prefetched, their gather under way; on the host gloo keeps
-a copy of each until the fetch: scripts/gloo_allgather_copy.py).
+a copy of each until the fetch: scripts/diagnostics/gloo_allgather_copy.py).
 
-    MALLOC_MMAP_THRESHOLD_=4194304 torchrun --standalone --nproc_per_node 2 scripts/peak_moment.py \
+    MALLOC_MMAP_THRESHOLD_=4194304 torchrun --standalone --nproc_per_node 2 scripts/diagnostics/peak_moment.py \
         framework=trlx model=llama-base precision=fp32 zero=3 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
 
 Each rank prints its own lines; `--json=PATH` also writes rank 0's figures in bytes (tests/test_zero3_gathered.py
@@ -36,11 +36,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.modules import module as nn_module
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.run.config import compose  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
+from scripts.diagnostics.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 PERIOD_S = 0.002

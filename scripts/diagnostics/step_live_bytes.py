@@ -8,8 +8,8 @@ at once) and the RSS growth over the same span, beside the physics' transient te
 Allocations of 256 MiB or more are listed apart: DeepSpeed's reduce bucket is allocated whole
 (`reduce_bucket_size` values) but only the pages a backward writes become resident.
 
-    torchrun --standalone --nproc_per_node 2 scripts/step_live_bytes.py framework=trlx stage=rm model=glm-base \
-        precision=fp32 zero=2 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
+    torchrun --standalone --nproc_per_node 2 scripts/diagnostics/step_live_bytes.py framework=trlx stage=rm \
+        model=glm-base precision=fp32 zero=2 prompt_len=128 answer_len=128 batch=2 launcher.nproc=2
 
 Rank 0 prints; any framework with a memory model; `stage=sft|rm|ppo`; in PPO, `PHASE=training` profiles the
 update over a whole step's experience instead (made before the profiled span). Over that update the running
@@ -27,12 +27,12 @@ from functools import partial
 import psutil
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from bench.plan.predict import physics  # noqa: E402
 from bench.run.config import compose  # noqa: E402
 from bench.run.spec import spec_from_config  # noqa: E402
-from scripts.diagnostic_rank import DiagnosticRank  # noqa: E402
+from scripts.diagnostics.diagnostic_rank import DiagnosticRank  # noqa: E402
 
 MIB = 2**20
 PHASE = os.environ.get("PHASE")  # ppo: experience (default) or training

@@ -13,7 +13,7 @@ With --every a third mode joins, the trackers with the heap released before ever
 difference between it and `on` is what the release's refault costs each time it happens. A periodic cost shows
 in the mean, not the median.
 
-    torchrun --standalone --nproc_per_node 2 scripts/tracker_overhead.py framework=dschat model=glm-base \\
+    torchrun --standalone --nproc_per_node 2 scripts/diagnostics/tracker_overhead.py framework=dschat model=glm-base \\
         stage=sft steps=13 warmup_steps=1 prompt_len=128 answer_len=128 batch=2
 
 Overrides are the harness's own; PPO runs without prerequisite checkpoints (random reward and critic:
@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 from adapters import registry  # noqa: E402
 from adapters.base import RankContext  # noqa: E402
