@@ -154,38 +154,10 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
             reason = next((r["error"] for r in runs if r.get("error")), "no reason recorded").splitlines()[0][:160]
             evidence.append(f"{framework}: cannot run this mode (unsupported: {reason}; {len(runs)} runs)")
             continue
-        fitting = [r for r in runs if _fits(r, budget)]
-        # runs the framework refused (a knob it cannot run) neither fit nor failed to: counted apart
-        refused_here = sum(r["status"] == "unsupported" for r in runs)
-        tried = len(runs) - refused_here
-        if not fitting:
-            evidence.append(f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)")
-            continue
-        # The framework's fastest cell among those with MIN_REPEATS runs: a faster cell with fewer runs has no
-        # range to show its lead is more than noise, so it is named beside the candidate, never in its place.
-        cells = sorted(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median, reverse=True)
-        best = next((cell for cell in cells if len(cell) >= MIN_REPEATS), cells[0])
-        faster = cells[:cells.index(best)]
-        measured, repeated = cell_speed(best)
-        steps = sum(r.get("timed_steps") or 0 for r in best)
-        one_pass = stat([per_gpu(r) for r in best])
-        trainable = stat([r.get("trainable_params") for r in best]).median
-        candidate = Candidate(framework, _config_text(best), measured, one_pass,
-                              stat([r["peak_bytes"] for r in best]).median, len(best), steps, trainable,
-                              _alike(best[0]))
-        candidates.append(candidate)
-        interval = (f"range [{measured.low:.3f}, {measured.high:.3f}] over {measured.n} repeats" if repeated
-                    else f"no interval: n={measured.n} < {MIN_REPEATS} repeats")
-        derived = (f"; derived at one update pass: {one_pass.median:.3f}" if one_pass.median
-                   and abs(one_pass.median - measured.median) > 1e-9 else "")
-        trained = f"; {trainable / 1e6:,.2f} M parameters train" if trainable else ""
-        evidence.append(f"{framework}: fastest fitting config {candidate.config}: measured {measured.median:.3f} "
-                        f"samples/s per rank, {interval}{derived}{trained}; peak {candidate.peak_bytes / MIB:,.0f} "
-                        f"MiB; {steps} timed steps ({len(fitting)} of {tried} runs fit and stayed stable"
-                        + (f"; {refused_here} more refused as unsupported" if refused_here else "") + ")")
-        evidence += [f"{framework}: faster but unrepeated, not a candidate: {_config_text(cell)}: measured "
-                     f"{cell_speed(cell)[0].median:.3f} samples/s per rank (n={len(cell)} < {MIN_REPEATS})"
-                     for cell in faster]
+        candidate, said = _candidate(framework, runs, budget)
+        evidence += said
+        if candidate is not None:
+            candidates.append(candidate)
     runnable = [f for f in sorted({r["framework"] for r in rows}) if f not in unsupported]
     if not runnable:
         return Leaf(f"unsupported: no measured framework can run this mode ({', '.join(unsupported)})", True,
@@ -193,18 +165,65 @@ def leaf(rows: list[dict[str, Any]], budget: float | None, frameworks: list[str]
     if not candidates:
         return Leaf("no measured framework finishes, stays stable and fits", True, evidence)
     candidates.sort(key=lambda c: c.speed.median, reverse=True)
-    first = candidates[0]
     if len(runnable) == 1:
-        absent = [f for f in unmeasured if f not in elsewhere]
-        if absent:  # the sweep did not run them here: nothing says they cannot
-            return Leaf(f"only {first.framework} measured in this branch ({', '.join(absent)}: not measured): "
-                        "nothing to compare it with, no winner", False, evidence)
-        if set_aside:  # the others ran but their cells mix provenance: they may well run the mode
-            return Leaf(f"only {first.framework}'s evidence is admissible ({', '.join(set_aside)}: mixed "
-                        "provenance, left out): nothing to compare it with, no winner", False, evidence)
-        cannot = f" ({', '.join(unsupported)}: unsupported)" if unsupported else ""
-        return Leaf(f"only {first.framework} runs this mode{cannot}: nothing to compare it with, no winner", False,
-                    evidence)
+        return _alone(candidates[0], [f for f in unmeasured if f not in elsewhere], set_aside, unsupported, evidence)
+    return _compared(candidates, runnable, mode, evidence)
+
+
+def _candidate(framework: str, runs: list[dict[str, Any]], budget: float | None) -> tuple[Candidate | None, list[str]]:
+    """A framework's candidate in a leaf (its fastest fitting cell with MIN_REPEATS runs where it has one) and what
+    the leaf says of it; None where none of its runs fits."""
+    fitting = [r for r in runs if _fits(r, budget)]
+    # runs the framework refused (a knob it cannot run) neither fit nor failed to: counted apart
+    refused_here = sum(r["status"] == "unsupported" for r in runs)
+    tried = len(runs) - refused_here
+    if not fitting:
+        return None, [f"{framework}: ruled out -- {_why_not(runs, budget)} ({len(runs)} runs)"]
+    # The framework's fastest cell among those with MIN_REPEATS runs: a faster cell with fewer runs has no
+    # range to show its lead is more than noise, so it is named beside the candidate, never in its place.
+    cells = sorted(group(fitting).values(), key=lambda cell: stat([speed(r) for r in cell]).median, reverse=True)
+    best = next((cell for cell in cells if len(cell) >= MIN_REPEATS), cells[0])
+    faster = cells[:cells.index(best)]
+    measured, repeated = cell_speed(best)
+    steps = sum(r.get("timed_steps") or 0 for r in best)
+    one_pass = stat([per_gpu(r) for r in best])
+    trainable = stat([r.get("trainable_params") for r in best]).median
+    candidate = Candidate(framework, _config_text(best), measured, one_pass,
+                          stat([r["peak_bytes"] for r in best]).median, len(best), steps, trainable,
+                          _alike(best[0]))
+    interval = (f"range [{measured.low:.3f}, {measured.high:.3f}] over {measured.n} repeats" if repeated
+                else f"no interval: n={measured.n} < {MIN_REPEATS} repeats")
+    derived = (f"; derived at one update pass: {one_pass.median:.3f}" if one_pass.median
+               and abs(one_pass.median - measured.median) > 1e-9 else "")
+    trained = f"; {trainable / 1e6:,.2f} M parameters train" if trainable else ""
+    said = [f"{framework}: fastest fitting config {candidate.config}: measured {measured.median:.3f} "
+            f"samples/s per rank, {interval}{derived}{trained}; peak {candidate.peak_bytes / MIB:,.0f} "
+            f"MiB; {steps} timed steps ({len(fitting)} of {tried} runs fit and stayed stable"
+            + (f"; {refused_here} more refused as unsupported" if refused_here else "") + ")"]
+    said += [f"{framework}: faster but unrepeated, not a candidate: {_config_text(cell)}: measured "
+             f"{cell_speed(cell)[0].median:.3f} samples/s per rank (n={len(cell)} < {MIN_REPEATS})"
+             for cell in faster]
+    return candidate, said
+
+
+def _alone(first: Candidate, absent: list[str], set_aside: list[str], unsupported: list[str],
+           evidence: list[str]) -> Leaf:
+    """A leaf one framework alone runs: never a winner, and why it stands alone."""
+    if absent:  # the sweep did not run them here: nothing says they cannot
+        return Leaf(f"only {first.framework} measured in this branch ({', '.join(absent)}: not measured): "
+                    "nothing to compare it with, no winner", False, evidence)
+    if set_aside:  # the others ran but their cells mix provenance: they may well run the mode
+        return Leaf(f"only {first.framework}'s evidence is admissible ({', '.join(set_aside)}: mixed "
+                    "provenance, left out): nothing to compare it with, no winner", False, evidence)
+    cannot = f" ({', '.join(unsupported)}: unsupported)" if unsupported else ""
+    return Leaf(f"only {first.framework} runs this mode{cannot}: nothing to compare it with, no winner", False,
+                evidence)
+
+
+def _compared(candidates: list[Candidate], runnable: list[str], mode: str, evidence: list[str]) -> Leaf:
+    """The leaf's call between its two fastest candidates: a framework only with repeats, like measurement, like
+    work (LoRA) and a lead beyond the noise."""
+    first = candidates[0]
     if len(candidates) == 1:
         return Leaf(f"{first.framework} (the only one of {', '.join(runnable)} that finishes, stays stable and fits)",
                     True, evidence)

@@ -271,6 +271,14 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["mixed"], row["refused"] = None, False  # set by collect() once the cell's other runs are known
     if stage != "ppo":  # the reference model exists in PPO only
         row["reference"] = None
+    for part in (_memory_columns, _throughput_columns, _stability_columns, _learning_columns, _state_columns,
+                 _rate_columns, _checkpoint_columns, _step_columns):
+        part(row, record, stage, result)
+    return row
+
+
+def _memory_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Per-phase peaks and growths; the peak, its growth and phase over MEMORY_PHASES; the breakdown."""
     memory = result.get("memory") or {}
     row["memory_method"] = memory.get("method")
     for phase, entry in (memory.get("phases") or {}).items():
@@ -296,6 +304,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["upstream_defects"] = ", ".join(d["id"] + (" (fixed)" if "fixed by" in d.get("handling", "") else "")
                                         for d in result.get("upstream_defects") or []) or None
     row["cut_short"] = bool(result.get("cut_short"))
+
+
+def _throughput_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Per-phase rates and step-time shares."""
     throughput = result.get("throughput") or {}
     for phase, entry in (throughput.get("phases") or {}).items():
         row[f"tokens_per_s_{phase}"] = _number(entry.get("tokens_per_s_global"))
@@ -303,11 +315,19 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
         row[f"time_s_per_step_{phase}"] = _number(entry.get("time_s_per_step"))
     for phase, share in (throughput.get("share_of_step_time") or {}).items():
         row[f"share_{phase}"] = _number(share)
+
+
+def _stability_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """The stability classification and its counters."""
     stability = result.get("stability") or {}
     row["stability"] = stability.get("classification")
     row["first_nonfinite_step"] = stability.get("first_nonfinite_step")
     row["overflow_skips"] = sum((stability.get("overflow_skipped_steps") or {}).values()) if stability else None
     row["loss_scale_min"] = _number(stability.get("loss_scale_min"))
+
+
+def _learning_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Learning figures: rewards, accuracies, KL, held-out scores, the loss at start and end."""
     learning = result.get("learning") or {}
     for key in ("reward_start", "reward_end", "accuracy_start", "accuracy_end", "generated_tokens_start",
                 "generated_tokens_end", "kl_start", "kl_end", "converged_step", "preferred_fraction_start",
@@ -320,6 +340,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     # the training loss at the end as one figure: the mean over the last steps (PPO's window rule, 1-10 steps)
     tail = [v for v in losses[-max(1, min(10, len(losses) // 3)):] if _number(v) is not None]
     row["loss_end_mean"] = sum(_number(v) for v in tail) / len(tail) if tail else None
+
+
+def _state_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Rank 0's model state, the frozen roles' weights, the quantized roles' deviations."""
     row["model_state_bytes_rank0"] = _model_state_rank0(result.get("model_state") or {})
     state = result.get("model_state") or {}
     frozen = [(state.get(role) or {}).get("param_bytes_per_rank") or [None] for role in ("ref", "reward")]
@@ -329,6 +353,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
         row[f"{role}_quant_deviation"] = entry.get("mean_abs_deviation")
         row[f"{role}_quant_scale"] = entry.get("mean_abs_value")
         row[f"{role}_quant_saved_bytes"] = entry["weight_bytes_before"] - entry["weight_bytes_after"]
+
+
+def _rate_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """The step time, the samples a step trains on and the rates per step and at one update pass."""
     # the RM's evaluation and checkpoint saves run outside the steps; every other timed phase is part of one
     step_phases = [row[k] for k in row if k.startswith("time_s_per_step_")
                    and k.removeprefix("time_s_per_step_") not in OUTSIDE_STEP and row[k] is not None]
@@ -347,6 +375,10 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     one_pass = (row["step_time_s"] - training * (1 - 1 / row["update_passes"])
                 if stage == "ppo" and row["step_time_s"] and training is not None else None)
     row["samples_per_s_one_pass"] = row["global_batch"] / one_pass if one_pass and row["global_batch"] else None
+
+
+def _checkpoint_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Wall time, checkpoint saves and their stalls, the step a resumed run started from."""
     row["wall_time_s"] = _number(result.get("wall_time_s"))
     saves = (result.get("checkpoints") or {}).get("saves") or []
     stalls = [s["stall_s"] for s in saves if s.get("stall_s") is not None]
@@ -357,6 +389,11 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     row["checkpoint_write_s"] = statistics.median(writes) if writes else None
     row["checkpoint_bytes"] = max((s.get("bytes_written") or 0 for s in saves), default=None) or None
     row["resumed_from_step"] = result.get("resumed_from_step")
+
+
+def _step_columns(row: dict[str, Any], record: dict[str, Any], stage: str, result: dict[str, Any]) -> None:
+    """Timed steps, their spread, rank 0's TFLOP/s and MFU, trained parameters, LoRA layout, fixed cost."""
+    throughput = result.get("throughput") or {}
     step_times = [t for t in throughput.get("step_times_s") or [] if isinstance(t, (int, float))]
     row["timed_steps"] = len(step_times) or None
     row["step_time_min_s"] = min(step_times) if step_times else None
@@ -378,8 +415,6 @@ def stage_row(run: str, record: dict[str, Any], stage: str, result: dict[str, An
     for part, seconds in (result.get("fixed_cost") or {}).items():  # launch_s, imports_s, init_s, ... fixed_s
         if part != "method":
             row[f"fixed_{part}"] = _number(seconds)
-    return row
-
 
 def _trained_params(result: dict[str, Any], count: str = "total") -> int | None:
     """Parameters of the trained models (those with optimizer state): the denominator of model-state bytes;

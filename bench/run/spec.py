@@ -487,6 +487,13 @@ class RunSpec:
     stability: StabilitySpec = field(default_factory=StabilitySpec)
 
     def __post_init__(self) -> None:
+        # in this order: the first refusal a user meets is the same whichever checks follow it
+        for check in (self._check_knobs, self._check_layout, self._check_steps, self._check_lengths_and_lora,
+                      self._check_frozen_roles):
+            check()
+
+    def _check_knobs(self) -> None:
+        """Each scalar knob's type and range, the tags and the plugin's name."""
         _choice("stage", self.stage, tuple(STAGE_CHOICES))
         _choice("precision", self.precision, PRECISIONS)
         _choice("zero", self.zero, ZERO_STAGES)
@@ -511,6 +518,9 @@ class RunSpec:
             _choice("tags", tag, TAGS)
         if not isinstance(self.plugin, str) or not self.plugin:
             raise SpecError(f"plugin={self.plugin!r} must be a name (auto = chosen from zero, precision, offload)")
+
+    def _check_layout(self) -> None:
+        """tp x pp against the ranks, the heads and the blocks; stages over nodes; the global batch."""
         _int("tp", self.tp, 1)
         _int("pp", self.pp, 1)
         if self.launcher.world_size % (self.tp * self.pp):
@@ -535,6 +545,9 @@ class RunSpec:
                     f"global_batch={self.global_batch} is not batch {self.batch} x grad_accum {self.grad_accum} x "
                     f"{self.data_parallel} data-parallel rank(s) = {self.effective_global_batch}; change one of them "
                     "(or leave global_batch null)")
+
+    def _check_steps(self) -> None:
+        """The learning rate, each stage's steps against the warm-up, the memory settings, soak's fit."""
         if self.lr is not None:
             _positive_float("lr", self.lr)
         for stage in self.stages:
@@ -560,6 +573,9 @@ class RunSpec:
                         f"soak=true needs at least {MIN_POINTS} fitted steps per stage; steps={self.steps[stage]} "
                         f"for {stage} with warmup_steps={self.warmup_steps} leaves {fitted} (the fit starts after "
                         "warm-up and the first tenth of the run)")
+
+    def _check_lengths_and_lora(self) -> None:
+        """Prompt + answer against the positions; LoRA's rank, targets and alpha; offload's ZeRO."""
         if self.prompt_len + self.answer_len > self.model.positions:
             raise SpecError(
                 f"prompt_len + answer_len = {self.prompt_len + self.answer_len} exceeds "
@@ -576,6 +592,9 @@ class RunSpec:
             raise SpecError(f"lora={self.lora} must be smaller than model.hidden={self.model.hidden}")
         if self.offload and self.zero == 0:
             raise UnsupportedError("offload=true needs zero >= 1: ZeRO-Offload moves ZeRO-partitioned state")
+
+    def _check_frozen_roles(self) -> None:
+        """Quantized and normalized frozen PPO roles, only where PPO runs."""
         _choice("quant_library", self.quant_library, QUANT_LIBRARIES)
         for role in ("reference", "reward"):
             quant = getattr(self, role).quant

@@ -171,52 +171,11 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
             observers.append(WandbSteps(spec, stage_dir, os.path.basename(os.path.dirname(stage_dir))))
         loop = StageLoop(adapter, spec, tracker, data, observers)
         result.update(loop.run(stage, init, os.path.join(stage_dir, "checkpoints")))
-        result["notes"] = adapter.notes() + ([emulated] if emulated else [])
-        result["upstream_defects"] = adapter.upstream_defects()
-        result["computation_dtypes"] = adapter.computation_dtypes()
-        result["quantized"] = adapter.quantized_roles()
-        result["engine_knobs"] = adapter.engine_knobs()
-        if stage == "ppo":  # the passes over each step's rollouts, which the report's per-pass rates divide by
-            result["update_passes"] = adapter.update_passes()
-            # the prompt batches a step generates, scores and trains on: the samples of the step's rate
-            result["rollouts_per_step"] = adapter.rollouts_per_step()
-        # micro-batches and optimizer steps as the engines counted them (a PPO step's count is the framework's)
-        if spec.grad_accum > 1 or stage == "ppo":
-            result["engine_knobs"]["accumulation"] = adapter.accumulation()
-        if spec.lora:  # which layers the built models adapt, with which alpha
-            result["engine_knobs"]["lora"] = adapter.lora_knobs()
-        if adapter.reward_scaling is not None:  # what PPO's make_experience did to the RM's scores
-            result["engine_knobs"]["reward_normalize"] = adapter.reward_scaling.knob()
-        stability = result["stability"]
-        if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
-            result["status"] = "nan"
-            reason = stability["aborted"] or (
-                f"non-finite {stability['first_nonfinite_metric']} from step {stability['first_nonfinite_step']}"
-                if stability["classification"] == "diverged" else "another rank diverged"
-            )
-            result["error"] = {"message": reason, "phase": "training"}
-        else:
-            if watchdog is not None:
-                watchdog.beat("the save began")
-            start = time.perf_counter()
-            result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
-            result["save_s"] = time.perf_counter() - start
-            heldout = result["learning"].get("heldout_scores")
-            if heldout is not None and result["checkpoint"] and rank == 0:  # beside the file init.rm will name
-                write_statistics(HeldoutStatistics(**heldout), result["checkpoint"])
+        _engine_facts(result, adapter, spec, stage, emulated)
+        _save_or_stop(result, adapter, stage, stage_dir, rank, watchdog)
         result["outside_allocator"] = tracker.memory.outside_allocator()
     except BaseException as err:  # noqa: BLE001 -- every failure must become a record
-        result["status"] = classify(err)
-        phase = tracker.current_phase if tracker is not None else "startup"
-        result["error"] = {"message": f"{type(err).__name__}: {err}{low_disk_hint(stage_dir)}", "phase": phase,
-                           "traceback": traceback.format_exc(limit=20)}
-        if isinstance(err, CutShort):
-            result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0,
-                                   # the kernel's parent-death signal: the node's torchrun agent died
-                                   "agent_ended": agent_ended()}
-            if loop is not None:
-                result.update(loop.partial())
-        print(result["error"]["traceback"], file=sys.stderr)
+        _record_failure(result, err, tracker, loop, stage_dir)
     finally:
         signal.signal(signal.SIGTERM, _note_late_signal)
         for observer in observers:  # after a failure too: wandb must close its run files
@@ -225,18 +184,83 @@ def run_rank(spec: RunSpec, stage: str, stage_dir: str, init: dict[str, str],
             result["phase_samples"] = tracker.samples
         result.update(model_build_s=model_build_seconds(), jit_ops_s=jit_ops.seconds())
         if adapter is not None and "cut_short" not in result:  # a cut-short rank must not wait on its peers
-            if watchdog is not None:
-                watchdog.beat("the close began")
-            start = time.perf_counter()
-            try:
-                adapter.close()
-            except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
-                result.setdefault("notes", []).append(f"close failed: {err}")
-            result["close_s"] = time.perf_counter() - start
+            _close(result, adapter, watchdog)
         if _late_signals:
             result.setdefault("notes", []).append(
                 f"{', '.join(_late_signals)} arrived while the rank was closing or already stopping")
     return result
+
+
+def _engine_facts(result: dict[str, Any], adapter: Any, spec: RunSpec, stage: str, emulated: str | None) -> None:
+    """What the adapter reports of its engines once the stage ran: notes, upstream defects hit, dtypes, quantized
+    roles and the knobs as the engines resolved them."""
+    result["notes"] = adapter.notes() + ([emulated] if emulated else [])
+    result["upstream_defects"] = adapter.upstream_defects()
+    result["computation_dtypes"] = adapter.computation_dtypes()
+    result["quantized"] = adapter.quantized_roles()
+    result["engine_knobs"] = adapter.engine_knobs()
+    if stage == "ppo":  # the passes over each step's rollouts, which the report's per-pass rates divide by
+        result["update_passes"] = adapter.update_passes()
+        # the prompt batches a step generates, scores and trains on: the samples of the step's rate
+        result["rollouts_per_step"] = adapter.rollouts_per_step()
+    # micro-batches and optimizer steps as the engines counted them (a PPO step's count is the framework's)
+    if spec.grad_accum > 1 or stage == "ppo":
+        result["engine_knobs"]["accumulation"] = adapter.accumulation()
+    if spec.lora:  # which layers the built models adapt, with which alpha
+        result["engine_knobs"]["lora"] = adapter.lora_knobs()
+    if adapter.reward_scaling is not None:  # what PPO's make_experience did to the RM's scores
+        result["engine_knobs"]["reward_normalize"] = adapter.reward_scaling.knob()
+
+
+def _save_or_stop(result: dict[str, Any], adapter: Any, stage: str, stage_dir: str, rank: int,
+                  watchdog: RankWatchdog | None) -> None:
+    """A diverged stage is a `nan` with its reason and saves nothing; otherwise the stage's checkpoint, timed."""
+    stability = result["stability"]
+    if result.pop("diverged_any_rank"):  # every rank skips the save together (it is collective)
+        result["status"] = "nan"
+        reason = stability["aborted"] or (
+            f"non-finite {stability['first_nonfinite_metric']} from step {stability['first_nonfinite_step']}"
+            if stability["classification"] == "diverged" else "another rank diverged"
+        )
+        result["error"] = {"message": reason, "phase": "training"}
+        return
+    if watchdog is not None:
+        watchdog.beat("the save began")
+    start = time.perf_counter()
+    result["checkpoint"] = adapter.save(stage, os.path.join(stage_dir, "checkpoint"))
+    result["save_s"] = time.perf_counter() - start
+    heldout = result["learning"].get("heldout_scores")
+    if heldout is not None and result["checkpoint"] and rank == 0:  # beside the file init.rm will name
+        write_statistics(HeldoutStatistics(**heldout), result["checkpoint"])
+
+
+def _record_failure(result: dict[str, Any], err: BaseException, tracker: PhaseTracker | None, loop: Any,
+                    stage_dir: str) -> None:
+    """A failure as the record states it: its status, message, phase and traceback; a cut-short stage keeps the
+    steps it finished."""
+    result["status"] = classify(err)
+    phase = tracker.current_phase if tracker is not None else "startup"
+    result["error"] = {"message": f"{type(err).__name__}: {err}{low_disk_hint(stage_dir)}", "phase": phase,
+                       "traceback": traceback.format_exc(limit=20)}
+    if isinstance(err, CutShort):
+        result["cut_short"] = {"signal": "SIGTERM", "phase": phase, "steps_done": len(loop.steps) if loop else 0,
+                               # the kernel's parent-death signal: the node's torchrun agent died
+                               "agent_ended": agent_ended()}
+        if loop is not None:
+            result.update(loop.partial())
+    print(result["error"]["traceback"], file=sys.stderr)
+
+
+def _close(result: dict[str, Any], adapter: Any, watchdog: RankWatchdog | None) -> None:
+    """The adapter's close, timed; a failing close is a note, never the run's outcome."""
+    if watchdog is not None:
+        watchdog.beat("the close began")
+    start = time.perf_counter()
+    try:
+        adapter.close()
+    except Exception as err:  # noqa: BLE001 -- closing must not hide the run's own outcome
+        result.setdefault("notes", []).append(f"close failed: {err}")
+    result["close_s"] = time.perf_counter() - start
 
 
 def _phase_listener(feed: ProgressFeed | None, watchdog: RankWatchdog | None) -> Callable[[str, int | None], None]:
